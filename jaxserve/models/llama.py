@@ -1,0 +1,201 @@
+"""One Llama-family decoder in Flax NNX: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3.
+
+Layer weights are stacked on a leading layer axis and the layers run under ``lax.scan``: one
+layer is compiled once, whatever the depth. The model knows nothing of serving: it takes token
+ids, an ``AttentionMetadata`` and the KV pool, and returns hidden states and the updated pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.attention import AttentionMetadata, write_kv
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Float32 KV bytes one token takes over all layers (scale by dtype size / 4)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies, with Llama 3.1's frequency-dependent scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = np.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in ("default",):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """HF-style (rotate-half) rotary embedding. x: [T, heads, D]."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of every parameter, by name: the contract between the model and the loaders."""
+    L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (cfg.vocab_size, E),
+        "final_norm": (E,),
+        "attn_norm": (L, E),
+        "wq": (L, E, qd),
+        "wk": (L, E, kvd),
+        "wv": (L, E, kvd),
+        "wo": (L, qd, E),
+        "mlp_norm": (L, E),
+        "w_gate": (L, E, F),
+        "w_up": (L, E, F),
+        "w_down": (L, F, E),
+    }
+    if cfg.attention_bias:
+        shapes.update(bq=(L, qd), bk=(L, kvd), bv=(L, kvd))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (E, cfg.vocab_size)
+    return shapes
+
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+                "bq", "bk", "bv", "q_norm", "k_norm")
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder with stacked layer weights. Parameters are ``nnx.Param`` attributes named as in
+    ``param_shapes``; loaders fill them with ``load_params``."""
+
+    def __init__(self, cfg: ModelConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs | None = None):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+        rngs = rngs or nnx.Rngs(0)
+        for name, shape in param_shapes(cfg).items():
+            if name.endswith("norm"):
+                value = jnp.ones(shape, dtype)
+            elif name.startswith("b"):
+                value = jnp.zeros(shape, dtype)
+            else:
+                value = (jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype)
+            setattr(self, name, nnx.Param(value))
+
+    def load_params(self, params: dict[str, Any]) -> None:
+        """Replace parameters by arrays of the right shape (and cast to the model dtype)."""
+        shapes = param_shapes(self.cfg)
+        missing = set(shapes) - set(params)
+        if missing:
+            raise ValueError(f"checkpoint is missing parameters: {sorted(missing)}")
+        for name, shape in shapes.items():
+            value = params[name]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}, the config needs {shape}")
+            getattr(self, name).value = jnp.asarray(value, self.dtype)
+
+    def param_arrays(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name).value for name in param_shapes(self.cfg)}
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        metadata: AttentionMetadata,
+        kv_cache: jax.Array,
+        attention_fn: Callable[..., jax.Array],
+    ) -> tuple[jax.Array, jax.Array]:
+        """tokens [T]; kv_cache [L, num_pages, page_size, 2*KVH, D]. Returns hidden [T, E], new cache."""
+        cfg = self.cfg
+        L, num_pages, page_size = kv_cache.shape[:3]
+        T = tokens.shape[0]
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inv_freq = self.inv_freq.value
+        layer_params = {n: getattr(self, n).value for n in LAYER_PARAMS if hasattr(self, n)}
+        # The pool is viewed flat over layers: layer l's pages are l*num_pages + page. Gathers and
+        # scatters then index one array, which XLA updates in place inside the scan carry.
+        pool = kv_cache.reshape(L * num_pages, *kv_cache.shape[2:])
+
+        def layer(carry, xs):
+            x, pool = carry
+            p, l = xs
+            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+            if cfg.qk_norm:
+                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+            q = apply_rope(q, metadata.positions, inv_freq)
+            k = apply_rope(k, metadata.positions, inv_freq)
+            pool = write_kv(pool, k, v, metadata.slot_mapping + l * num_pages * page_size)
+            attn = attention_fn(
+                q, pool, metadata.kv_lens, metadata.page_tables + l * num_pages,
+                metadata.cu_q_lens, metadata.num_seqs,
+                sm_scale=D ** -0.5, sliding_window=cfg.sliding_window,
+            )
+            x = x + attn.reshape(T, H * D).astype(x.dtype) @ p["wo"]
+            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            return (x, pool), None
+
+        x = self.embed.value[tokens].astype(self.dtype)
+        (x, pool), _ = jax.lax.scan(layer, (x, pool), (layer_params, jnp.arange(L, dtype=jnp.int32)))
+        return rms_norm(x, self.final_norm.value, cfg.rms_norm_eps), pool.reshape(kv_cache.shape)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [N, E] -> float32 logits [N, V]."""
+        head = self.embed.value.T if self.cfg.tie_word_embeddings else self.lm_head.value
+        return (hidden @ head).astype(jnp.float32)

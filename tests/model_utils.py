@@ -1,0 +1,38 @@
+"""Test helpers: run our model over whole prompts through a fresh paged KV pool."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention import AttentionMetadata, ragged_paged_attention_xla
+
+
+def prefill_logits(model, prompts: list[list[int]], page_size: int = 16, attention_fn=None) -> list[np.ndarray]:
+    """Logits [len, V] of every position of each prompt, all prompts in one ragged batch."""
+    cfg = model.cfg
+    attention_fn = attention_fn or ragged_paged_attention_xla
+    pages_per = [-(-len(p) // page_size) for p in prompts]
+    num_pages = 1 + sum(pages_per)
+    max_pages = max(pages_per)
+    tables = np.zeros((len(prompts), max_pages), np.int32)
+    tokens, positions, slots, cu = [], [], [], [0]
+    next_page = 1  # page 0 is the null page
+    for i, p in enumerate(prompts):
+        tables[i, : pages_per[i]] = np.arange(next_page, next_page + pages_per[i])
+        next_page += pages_per[i]
+        for pos, t in enumerate(p):
+            tokens.append(t)
+            positions.append(pos)
+            slots.append(tables[i, pos // page_size] * page_size + pos % page_size)
+        cu.append(cu[-1] + len(p))
+    md = AttentionMetadata(
+        positions=jnp.asarray(positions, jnp.int32), slot_mapping=jnp.asarray(slots, jnp.int32),
+        kv_lens=jnp.asarray([len(p) for p in prompts], jnp.int32), page_tables=jnp.asarray(tables),
+        cu_q_lens=jnp.asarray(cu, jnp.int32), num_seqs=jnp.asarray([len(prompts)], jnp.int32),
+    )
+    kv = jnp.zeros((cfg.num_layers, num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim), model.dtype)
+    hidden, _ = model(jnp.asarray(tokens, jnp.int32), md, kv, attention_fn)
+    logits = np.asarray(model.compute_logits(hidden))
+    return [logits[cu[i]: cu[i + 1]] for i in range(len(prompts))]
