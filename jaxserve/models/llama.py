@@ -144,10 +144,10 @@ class LlamaForCausalLM(nnx.Module):
             value = params[name]
             if tuple(value.shape) != shape:
                 raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}, the config needs {shape}")
-            getattr(self, name).value = jnp.asarray(value, self.dtype)
+            getattr(self, name)[...] = jnp.asarray(value, self.dtype)
 
     def param_arrays(self) -> dict[str, jax.Array]:
-        return {name: getattr(self, name).value for name in param_shapes(self.cfg)}
+        return {name: getattr(self, name)[...] for name in param_shapes(self.cfg)}
 
     def __call__(
         self,
@@ -161,8 +161,8 @@ class LlamaForCausalLM(nnx.Module):
         L, num_pages, page_size = kv_cache.shape[:3]
         T = tokens.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        inv_freq = self.inv_freq.value
-        layer_params = {n: getattr(self, n).value for n in LAYER_PARAMS if hasattr(self, n)}
+        inv_freq = self.inv_freq[...]
+        layer_params = {n: getattr(self, n)[...] for n in LAYER_PARAMS if hasattr(self, n)}
         # The pool is viewed flat over layers: layer l's pages are l*num_pages + page. Gathers and
         # scatters then index one array, which XLA updates in place inside the scan carry.
         pool = kv_cache.reshape(L * num_pages, *kv_cache.shape[2:])
@@ -191,11 +191,11 @@ class LlamaForCausalLM(nnx.Module):
             x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
             return (x, pool), None
 
-        x = self.embed.value[tokens].astype(self.dtype)
+        x = self.embed[...][tokens].astype(self.dtype)
         (x, pool), _ = jax.lax.scan(layer, (x, pool), (layer_params, jnp.arange(L, dtype=jnp.int32)))
-        return rms_norm(x, self.final_norm.value, cfg.rms_norm_eps), pool.reshape(kv_cache.shape)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), pool.reshape(kv_cache.shape)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V]."""
-        head = self.embed.value.T if self.cfg.tie_word_embeddings else self.lm_head.value
+        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return (hidden @ head).astype(jnp.float32)

@@ -1,0 +1,98 @@
+"""EngineConfig: every engine option in one dataclass; YAML files and CLI flags map onto it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None: the embedded default model
+    mesh: str = "1x1"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = 2048  # None: the model's own context length
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from kv_cache_memory
+    kv_cache_memory: float = 1.0  # GiB for the KV pool when num_pages is None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
+    scheduler: str = "continuous"  # or "static"
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest prefix match)
+    max_waiting: int = 1024  # bounded queue: past it, submissions are refused
+    compile_ahead: bool = True  # compile every bucket at start-up
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None: no persistent cache
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_waiting"):
+            positive(name)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None:
+            positive("num_pages")
+            if self.num_pages < 2:
+                raise ValueError("num_pages must be at least 2 (page 0 is the reserved null page)")
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory!r}")
+        if self.scheduler not in ("continuous", "static"):
+            raise ValueError(f"scheduler must be 'continuous' or 'static', got {self.scheduler!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
+            raise ValueError(f"scheduling_policy must be 'fcfs', 'priority' or 'lpm', got {self.scheduling_policy!r}")
+        if self.attention_backend not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {self.attention_backend!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown option(s) in {path}: {sorted(unknown)}")
+        return cls(**{**data, **overrides})
+
+
+def add_engine_args(parser: Any) -> None:
+    """Every EngineConfig field as a kebab-case flag (defaults None: YAML or the dataclass decide)."""
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], None)
+            parser.add_argument(flag, dest=f.name, default=None,
+                                type=kind if kind else _int_float_or_str)
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    parser.add_argument("--config", dest="config_file", default=None, help="YAML file of engine options")
+
+
+def _int_float_or_str(value: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return None if value.lower() == "none" else value
+
+
+def config_from_args(args: Any) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if getattr(args, "config_file", None):
+        return EngineConfig.from_yaml(args.config_file, **overrides)
+    return EngineConfig(**overrides)

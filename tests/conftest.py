@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random-weight HF checkpoints of each architecture, the default model, HF references."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TINY_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+
+# name -> (transformers config class, extra config) covering every feature of the decoder.
+TINY_ARCHS = {
+    "llama3": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama_mqa_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "mistral_swa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=16)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  use_sliding_window=False)),
+}
+
+
+def make_tiny_checkpoint(name: str, root: Path) -> Path:
+    import torch
+    import transformers
+
+    cls_name, extra = TINY_ARCHS[name]
+    cfg = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    path = root / name
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_checkpoint(name, root) for name in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """HF transformers' own dequantization of the default GGUF: the reference model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.loading import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as ignore_eos does
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def small_engine_options(**kw) -> dict:
+    """Engine options for tests: small buckets, compiled on demand, no persistent cache."""
+    opts = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=128, page_size=16,
+                compile_ahead=False, compilation_cache_dir=None, show_progress=False)
+    opts.update(kw)
+    return opts
