@@ -8,9 +8,9 @@ KV pool layout: ``[num_pages, page_size, 2 * kv_heads, head_dim]`` with K and V 
 the head axis (K of head h at 2h, V at 2h+1), as tpu-inference does: one DMA brings both.
 Page 0 is the null page; padding tokens write there and no sequence owns it.
 
-The XLA reference gathers, for every query token, the pages of its own sequence. That costs
-``T x max_kv`` gathered KV, chunked over tokens to bound memory; on CPU it is the serving path
-and everywhere it is the oracle that the Pallas kernels are tested against.
+The XLA reference gathers, for every query token, a block of its own sequence's pages at a time
+and folds it into an online softmax. On CPU it is the serving path, and everywhere it is the
+oracle that the Pallas kernels are tested against.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 NULL_PAGE = 0
-_TOKEN_CHUNK = 64  # query tokens per gather chunk of the reference: bounds peak memory
+_KV_BLOCK_TOKENS = 64  # KV slots per step of the reference's page loop (measured best on CPU)
 
 
 @jax.tree_util.register_dataclass
@@ -72,14 +72,23 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    pages_per_block: int | None = None,
 ) -> jax.Array:
-    """Reference ragged paged attention. q: [T, H, D] -> [T, H, D]; padding rows give zeros."""
+    """Reference ragged paged attention. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
+
+    Walks the KV in blocks of pages with an online softmax, only as far as the longest sequence
+    of this step reaches (a dynamic trip count), so no step pays for its page-table bucket and
+    nothing of size T x max_kv is ever materialised.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, two_kvh, _ = kv_pages.shape
     kv_heads = two_kvh // 2
     group = num_heads // kv_heads
     max_pages = page_tables.shape[1]
-    max_kv = max_pages * page_size
+    pb = pages_per_block or max(1, min(max_pages, _KV_BLOCK_TOKENS // page_size))
+    if max_pages % pb:
+        page_tables = jnp.pad(page_tables, ((0, 0), (0, pb - max_pages % pb)))
+    block = pb * page_size
 
     seq = token_sequence_ids(cu_q_lens, num_tokens)
     valid_row = seq < num_seqs[0]
@@ -89,40 +98,36 @@ def ragged_paged_attention_xla(
     kv_len = jnp.where(valid_row, kv_lens[seq_c], 0)
     # Query row i of a sequence sits at KV position kv_len - q_len + i.
     q_pos = kv_len - q_len + (jnp.arange(num_tokens, dtype=jnp.int32) - q_start)
+    token_pages = page_tables[seq_c]  # [T, P]
+    qf = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim) * sm_scale
+    lo = jnp.zeros_like(q_pos) if sliding_window is None else q_pos - sliding_window + 1
 
-    pad = (-num_tokens) % _TOKEN_CHUNK if num_tokens > _TOKEN_CHUNK else 0
-    chunk = min(_TOKEN_CHUNK, num_tokens)
-
-    def padded(x):
-        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-
-    qf = padded(q.astype(jnp.float32)).reshape(-1, chunk, kv_heads, group, head_dim)
-    pt = padded(page_tables[seq_c]).reshape(-1, chunk, max_pages)
-    kvl = padded(kv_len).reshape(-1, chunk)
-    qp = padded(q_pos).reshape(-1, chunk)
-
-    kv_idx = jnp.arange(max_kv, dtype=jnp.int32)
-
-    def one_chunk(args):
-        qc, ptc, kvlc, qpc = args
-        kv = kv_pages[ptc].reshape(chunk, max_kv, kv_heads, 2, head_dim).astype(jnp.float32)
-        k, v = kv[..., 0, :], kv[..., 1, :]
-        s = jnp.einsum("tkgd,tskd->tkgs", qc, k) * sm_scale
+    def body(i, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(token_pages, i * pb, pb, axis=1)
+        kv = kv_pages[pages].reshape(num_tokens, block, kv_heads, 2, head_dim).astype(jnp.float32)
+        s = jnp.einsum("tkgd,tskd->tkgs", qf, kv[..., 0, :])
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = (kv_idx[None, :] < kvlc[:, None]) & (kv_idx[None, :] <= qpc[:, None])
-        if sliding_window is not None:
-            mask &= kv_idx[None, :] > qpc[:, None] - sliding_window
+        j = i * block + jnp.arange(block, dtype=jnp.int32)
+        mask = (j[None, :] < kv_len[:, None]) & (j[None, :] <= q_pos[:, None]) & (j[None, :] >= lo[:, None])
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("tkgs,tskd->tkgd", p, v) / jnp.where(denom > 0, denom, 1.0)
-        return o
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, kv[..., 1, :])
+        return m_new, l * alpha + p.sum(-1), acc
 
-    out = jax.lax.map(one_chunk, (qf, pt, kvl, qp))
-    out = out.reshape(-1, num_heads, head_dim)[:num_tokens]
-    return jnp.where(valid_row[:, None, None], out, 0.0).astype(q.dtype)
+    first = 0 if sliding_window is None else jnp.maximum(jnp.min(jnp.where(valid_row, lo, 2**30)), 0) // block
+    last = (jnp.max(kv_len) + block - 1) // block
+    init = (jnp.full((num_tokens, kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(first, last, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = jnp.where(valid_row[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def resolve_backend(backend: str) -> str:

@@ -48,7 +48,7 @@ class LLM:
                 rid = engine.new_request_id()
                 ids = [rid] if p.n == 1 else [f"{rid}-{i}" for i in range(p.n)]
                 for i, sub in enumerate(ids):
-                    engine.add_request(sub, prompt, p, seed_offset=i)
+                    engine.add_request(sub, prompt, p, seed_offset=i, group_id=rid if p.n > 1 else None)
                 groups.append(ids)
         except Exception:
             for ids in groups:

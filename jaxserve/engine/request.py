@@ -25,6 +25,7 @@ class Request:
     seed: int  # params.seed, or one drawn by the engine: sampling is keyed by it
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    group_id: str | None = None  # the n completions of one prompt share a group (and its prompt pages)
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -37,6 +38,7 @@ class Request:
     first_token_time: float | None = None
     # Set by the scheduler while the request holds a locked radix-cache node.
     cache_node: object | None = None
+    prompt_cached: bool = False  # its computed prompt pages went into the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -172,6 +172,8 @@ class Scheduler:
             if budget <= 0 and not self.static:
                 break
             req = self.waiting[0]
+            if self._sibling_prefilling(req):
+                break  # wait one step and take the sibling's prompt pages from the cache
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
@@ -196,6 +198,11 @@ class Scheduler:
         # Decodes first, then prefill chunks (the ragged kernels expect that order).
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return self._build_plan(scheduled, preempted)
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        if self.prefix_cache is None or req.group_id is None:
+            return False
+        return any(r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
 
     def _order_waiting(self) -> None:
         if self.policy == "priority":
@@ -261,6 +268,7 @@ class Scheduler:
         samp["min_p"][i] = p.min_p
         samp["seeds"][i] = req.seed & 0xFFFFFFFF
         samp["steps"][i] = len(req.output_token_ids)
+        samp["want_logprobs"][i] = p.logprobs is not None
         if p.uses_penalties:
             samp["repetition_penalty"][i] = p.repetition_penalty
             samp["presence_penalty"][i] = p.presence_penalty
@@ -283,6 +291,10 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = s.start + s.num_tokens
+            if not req.prompt_cached and req.num_computed_tokens >= req.num_prompt_tokens:
+                # Share the prompt now (n > 1 siblings, identical prompts arriving meanwhile).
+                req.prompt_cached = True
+                self._cache_computed(req)
             if not s.sample:
                 continue
             tok = int(token_ids[i])

@@ -1,0 +1,174 @@
+"""AsyncEngine: the asyncio face of the engine, for the servers.
+
+One thread owns the device and loops: apply pending aborts, run a step, hand each request's output
+to its asyncio queue. Submissions take a lock that the loop holds only around a step, so validation
+errors reach the caller directly; aborts are queued and applied before the next step, so a
+cancelled request's pages are free before anything else runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import LLMEngine, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 show_progress: bool = True):
+        self.engine = engine or LLMEngine(config or EngineConfig(), show_progress=show_progress)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._aborts: deque[str] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._count_lock = threading.Lock()
+        self._pending_submits = 0  # submitters waiting for the lock: the loop lets them in first
+        self.accepting = True
+        self.step_count = 0
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield incremental outputs until the request finishes. With n > 1, each completion's
+        outputs arrive tagged with its index (outputs[0].index). Leaving the loop aborts the request."""
+        if not self.accepting:
+            raise EngineDeadError("the engine is shutting down")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = request_id or self.engine.new_request_id()
+        sub_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        await loop.run_in_executor(None, self._submit, sub_ids, prompt, params, priority, loop, queue)
+        remaining = set(sub_ids)
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining.discard(item.request_id)
+                yield item
+        finally:
+            for sub in remaining:
+                self.abort(sub)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (or all completions of an n > 1 request); pages are freed before the next step."""
+        for rid in [r for r in list(self._streams) if r == request_id or r.startswith(request_id + "-")]:
+            self._aborts.append(rid)
+        self._wake.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.accepting = False
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _submit(self, sub_ids, prompt, params, priority, loop, queue) -> None:
+        with self._count_lock:
+            self._pending_submits += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count_lock:
+                self._pending_submits -= 1
+        with _Held(self._lock):
+            added = []
+            try:
+                for i, rid in enumerate(sub_ids):
+                    if rid in self._streams:
+                        raise ValueError(f"request_id {rid!r} is already in use")
+                    self.engine.add_request(rid, prompt, params, priority=priority, seed_offset=i,
+                                            group_id=request_id if len(sub_ids) > 1 else None)
+                    self._streams[rid] = _Stream(loop, queue, i)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:
+                    self.engine.abort(rid)
+                    self._streams.pop(rid, None)
+                raise
+        self._wake.set()
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        if isinstance(item, RequestOutput):
+            item.outputs[0].index = stream.index
+            if item.finished:
+                self._streams.pop(rid, None)
+        else:
+            self._streams.pop(rid, None)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the client's event loop is gone
+            pass
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                while self._aborts:
+                    rid = self._aborts.popleft()
+                    self.engine.abort(rid)
+                    self._streams.pop(rid, None)
+                busy = self.engine.has_unfinished()
+                if busy:
+                    try:
+                        outputs = self.engine.step()
+                        self.step_count += 1
+                    except Exception as exc:  # report to the requests in flight, keep serving
+                        log.exception("engine step failed")
+                        for rid in list(self._streams):
+                            self.engine.abort(rid)
+                            self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
+                        outputs = []
+                    for out in outputs:
+                        self._deliver(out.request_id, out)
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+            while self._pending_submits and not self._stopped:
+                time.sleep(0.0002)  # a plain Lock is not fair: let submitters in between steps
+
+
+class _Held:
+    """Context manager releasing an already-acquired lock."""
+
+    def __init__(self, lock: threading.Lock):
+        self.lock = lock
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()

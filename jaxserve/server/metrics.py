@@ -1,0 +1,71 @@
+"""Prometheus metrics, named like vLLM's under the `jaxserve:` prefix."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from jaxserve.engine.async_engine import AsyncEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("jaxserve:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("jaxserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_pages_used = Gauge("jaxserve:kv_cache_pages_used", "KV pages owned by requests or the prefix cache", registry=r)
+        self.kv_usage = Gauge("jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use", registry=r)
+        self.prefix_hit_rate = Gauge("jaxserve:prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens", registry=r)
+        self.compiles = Gauge("jaxserve:compile_count_after_warmup", "XLA compilations since warm-up", registry=r)
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("jaxserve:request_success", "Finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "End-to-end latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("jaxserve:request_queue_time_seconds", "Time from arrival to first scheduling",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self, engine: "AsyncEngine | None") -> bytes:
+        if engine is not None:
+            e = engine.engine
+            self.running.set(len(e.scheduler.running))
+            self.waiting.set(len(e.scheduler.waiting))
+            used = e.num_pages - 1 - e.pool.num_free
+            self.kv_pages_used.set(used)
+            self.kv_usage.set(used / max(1, e.num_pages - 1))
+            if e.prefix_cache is not None:
+                self.prefix_hit_rate.set(e.prefix_cache.hit_rate)
+            self.compiles.set(e.compiles_after_warmup)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping, fed by each streamed output."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def on_tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe((now - self.last) / count)
+        self.last = now
+        self.metrics.generation_tokens.inc(count)
+
+    def on_finish(self, reason: str | None, prompt_tokens: int) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.requests.labels(finish_reason=reason or "abort").inc()

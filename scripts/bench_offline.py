@@ -1,0 +1,131 @@
+"""Offline throughput: jaxserve continuous vs static batching vs HF transformers, in one run.
+
+    python scripts/bench_offline.py --num-prompts 64 --output-len 64 --hf-batch 32
+
+Each system generates the same seeded prompts greedily with EOS ignored, so every system produces
+exactly num_prompts x output_len tokens. Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+
+
+def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    words = ("the of and to in is was for on that with as by at from his her an which or are this "
+             "city river music science history garden window winter summer story people market").split()
+    text = " ".join(rng.choice(words, 4 * max_len))
+    ids = tokenizer(text).input_ids
+    out = []
+    for _ in range(num):
+        n = int(rng.integers(min_len, max_len + 1))
+        start = int(rng.integers(0, len(ids) - n))
+        out.append(ids[start: start + n])
+    return out
+
+
+def bench_jaxserve(llm: LLM, prompts, output_len: int, repeats: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    t = statistics.median(times)
+    return dict(seconds=t, output_tokens=tokens, tok_per_s=tokens / t, compiles_after_warmup=llm.engine.compiles_after_warmup,
+                outputs=[o.outputs[0].token_ids for o in outs])
+
+
+def bench_hf(prompts, output_len: int, batch: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.loading import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    t0 = time.perf_counter()
+    tokens = 0
+    outputs = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i: i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        outputs += out[:, width:].tolist()
+        tokens += out[:, width:].numel()
+    t = time.perf_counter() - t0
+    return dict(seconds=t, output_tokens=tokens, tok_per_s=tokens / t, outputs=outputs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-input-len", type=int, default=32)
+    ap.add_argument("--max-input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--hf-batch", type=int, default=32, help="HF static batch size (0: skip HF)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON results path")
+    args = ap.parse_args()
+
+    results: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "args": vars(args)}
+    common = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(**common)
+    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
+    t0 = time.perf_counter()
+    results["jaxserve_continuous"] = bench_jaxserve(llm, prompts, args.output_len, args.repeats)
+    llm.engine.scheduler.static = True
+    results["jaxserve_static"] = bench_jaxserve(llm, prompts, args.output_len, args.repeats)
+    if args.hf_batch:
+        results["hf_transformers"] = bench_hf(prompts, args.output_len, args.hf_batch)
+    ref = results["jaxserve_continuous"]["outputs"]
+    for name in ("jaxserve_static", "hf_transformers"):
+        if name in results:
+            same = sum(a == b for a, b in zip(ref, results[name]["outputs"]))
+            results[name]["identical_to_continuous"] = f"{same}/{len(ref)}"
+    print(f"\n{args.num_prompts} prompts, input {args.min_input_len}-{args.max_input_len} tokens, "
+          f"{args.output_len} output tokens each, greedy, f32, {results['machine']}")
+    print(f"{'system':24s} {'seconds':>9s} {'out tok/s':>10s}  same outputs as continuous")
+    for name in ("jaxserve_continuous", "jaxserve_static", "hf_transformers"):
+        if name in results:
+            r = results[name]
+            print(f"{name:24s} {r['seconds']:9.2f} {r['tok_per_s']:10.1f}  {r.get('identical_to_continuous', '-')}")
+    base = results["jaxserve_continuous"]["tok_per_s"]
+    for name in ("jaxserve_static", "hf_transformers"):
+        if name in results:
+            print(f"continuous / {name}: {base / results[name]['tok_per_s']:.2f}x")
+    print(f"compilations after warm-up: {results['jaxserve_continuous']['compiles_after_warmup']}; "
+          f"total bench time {time.perf_counter() - t0:.0f} s")
+    for r in results.values():
+        if isinstance(r, dict):
+            r.pop("outputs", None)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The continuous batching engine: outputs independent of batching, stop conditions, sampling options,
+preemption, aborts, and no compilation after warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from conftest import hf_greedy, small_engine_options
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.async_engine import AsyncEngine
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def prompts_of_mixed_lengths(tok, count: int = 10) -> list[list[int]]:
+    base = tok("Once upon a time in a small village by the sea, there lived an old fisherman who "
+               "told stories about storms, whales, and the lights that danced over the water at night.").input_ids
+    rng = np.random.default_rng(0)
+    return [base[: int(n)] for n in rng.integers(2, len(base), count)]
+
+
+@pytest.fixture(scope="module")
+def llm_default():
+    return LLM(**small_engine_options())
+
+
+@pytest.fixture(scope="module")
+def alone(llm_default):
+    """Each prompt generated alone: the reference for batched runs."""
+    prompts = prompts_of_mixed_lengths(llm_default.get_tokenizer())
+    return prompts, [llm_default.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_batched_equals_alone_and_hf(llm_default, alone, hf_default_model):
+    prompts, ref = alone
+    outs = llm_default.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for p, r in list(zip(prompts, ref))[:3]:
+        assert hf_greedy(hf_default_model, p, GREEDY.max_tokens) == r
+    llm_default.engine.check_invariants()
+    assert llm_default.engine.pool.num_free + llm_default.engine.prefix_cache.cached_pages() == llm_default.engine.num_pages - 1
+
+
+@pytest.mark.parametrize("options", [
+    dict(scheduler="static"),
+    dict(max_num_batched_tokens=16, max_num_seqs=4),  # chunked prefill everywhere
+    dict(num_pages=12, max_model_len=96, enable_prefix_caching=False),  # preemption by recompute
+    dict(num_pages=12, max_model_len=96),  # preemption with the prefix cache evicting first
+])
+def test_batching_modes_give_identical_greedy_outputs(options, alone):
+    prompts, ref = alone
+    llm = LLM(**small_engine_options(**options))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    if options.get("num_pages") == 12:
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.check_invariants()
+
+
+def test_no_compilation_after_warmup():
+    llm = LLM(**small_engine_options(compile_ahead=True, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128))
+    tok = llm.get_tokenizer()
+    rng = np.random.default_rng(3)
+    text = "the quick brown fox jumps over the lazy dog and keeps running far away " * 4
+    ids = tok(text).input_ids
+    for batch in (1, 3, 8, 11):
+        prompts = [ids[: int(n)] for n in rng.integers(1, 80, batch)]
+        params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.8])),
+                                 top_k=int(rng.choice([-1, 5])), top_p=float(rng.choice([1.0, 0.9])),
+                                 repetition_penalty=float(rng.choice([1.0, 1.2])), seed=int(rng.integers(100)),
+                                 logprobs=int(rng.choice([0, 3])), min_tokens=int(rng.choice([0, 1])))
+                  for _ in prompts]
+        llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.compiles_after_warmup == 0
+
+
+def test_stop_conditions(llm_default):
+    tok = llm_default.get_tokenizer()
+    prompt = "The capital of France is"
+    free = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    # Stop string: matched on text, never emitted.
+    word = free.text.split()[2]
+    out = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop=[word]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == word
+    assert word not in out.text and free.text.startswith(out.text)
+    # Stop token id.
+    stop_id = free.token_ids[4]
+    out = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_id]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    # min_tokens holds the stop id back.
+    out = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_id],
+                                                        min_tokens=10), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 10 and stop_id not in out.token_ids[:9]
+    # EOS ends a chat answer unless ignore_eos.
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
+    chat = list(chat["input_ids"]) if hasattr(chat, "keys") else list(chat)
+    out = llm_default.generate([chat], SamplingParams(max_tokens=60, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm_default.engine.eos_token_ids
+    out = llm_default.generate([chat], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 60
+
+
+def test_seed_n_and_logprobs(llm_default):
+    prompt = "My favourite colour is"
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    a = llm_default.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+    # Same seed, same output, whatever the batch around it.
+    batch = llm_default.generate(["Noise prompt one", prompt, "Another"], [SamplingParams(max_tokens=5, temperature=1.0), p,
+                                 SamplingParams(max_tokens=30, temperature=0.7)], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == a
+    unseeded = {tuple(llm_default.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True),
+                                           use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(unseeded) > 1
+    out = llm_default.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=1, ignore_eos=True),
+                               use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    g = llm_default.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    lps = g.outputs[0].logprobs
+    assert len(lps) == 6
+    for tok_id, entry in zip(g.outputs[0].token_ids, lps):
+        assert tok_id in entry and len(entry) <= 4
+        assert entry[tok_id] == pytest.approx(max(entry.values()), abs=1e-5)  # greedy picks the top one
+        assert all(v <= 0 for v in entry.values())
+
+
+def test_top_k_one_is_greedy_and_penalties_change_output(llm_default):
+    prompt = "List of fruits: apple, banana,"
+    greedy = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+    top1 = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, top_k=1, seed=3, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids
+    assert top1 == greedy
+    pen = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                        repetition_penalty=1.8, frequency_penalty=1.0),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    assert pen != greedy
+    assert len(set(pen)) >= len(set(greedy))
+
+
+def test_too_large_requests_are_clear_errors(llm_default):
+    with pytest.raises(ValueError, match="prompt"):
+        llm_default.generate([list(range(5, 400))], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm_default.generate(["hi"], SamplingParams(max_tokens=1000), use_tqdm=False)
+    small = LLM(**small_engine_options(num_pages=4))
+    with pytest.raises(ValueError, match="page pool"):
+        small.generate(["hi there"], SamplingParams(max_tokens=100), use_tqdm=False)
+    small.engine.check_invariants()
+    assert not small.engine.has_unfinished()
+
+
+def test_async_engine_streams_and_abort_frees_pages(llm_default):
+    engine = AsyncEngine(engine=llm_default.engine)
+
+    async def run():
+        deltas = []
+        async for out in engine.generate("Tell me a story about", SamplingParams(max_tokens=12, temperature=0.0)):
+            deltas.append(out.delta_text)
+            final = out
+        assert "".join(deltas) == final.outputs[0].text and final.finished
+
+        gen = engine.generate("A very long answer about", SamplingParams(max_tokens=200, temperature=0.0,
+                                                                          ignore_eos=True), request_id="to-abort")
+        got = 0
+        async for _ in gen:
+            got += 1
+            if got == 3:
+                break
+        await gen.aclose()
+        for _ in range(200):
+            if not llm_default.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        assert not llm_default.engine.has_unfinished()
+
+    try:
+        asyncio.run(run())
+        llm_default.engine.check_invariants()
+    finally:
+        engine.shutdown()
