@@ -122,7 +122,7 @@ def test_seed_n_and_logprobs(llm_default):
                                use_tqdm=False)[0]
     assert len(out.outputs) == 3 and [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    g = llm_default.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    g = llm_default.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
     lps = g.outputs[0].logprobs
     assert len(lps) == 6
     for tok_id, entry in zip(g.outputs[0].token_ids, lps):
