@@ -21,7 +21,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: float = 1.0  # GiB for the KV pool when num_pages is None
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
+    attention_backend: str = "auto"  # "auto" | "xla" | "pallas" | "xla-reference" (the test oracle)
     scheduler: str = "continuous"  # or "static"
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest prefix match)
     max_waiting: int = 1024  # bounded queue: past it, submissions are refused
@@ -51,7 +51,7 @@ class EngineConfig:
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {self.scheduler!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs', 'priority' or 'lpm', got {self.scheduling_policy!r}")
-        if self.attention_backend not in ("auto", "xla", "pallas"):
+        if self.attention_backend not in ("auto", "xla", "pallas", "xla-reference"):
             raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {self.attention_backend!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")

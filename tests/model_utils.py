@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata, ragged_paged_attention_xla
+from jaxserve.attention import AttentionMetadata, get_attention_fn
 
 
 def prefill_logits(model, prompts: list[list[int]], page_size: int = 16, attention_fn=None) -> list[np.ndarray]:
     """Logits [len, V] of every position of each prompt, all prompts in one ragged batch."""
     cfg = model.cfg
-    attention_fn = attention_fn or ragged_paged_attention_xla
+    attention_fn = attention_fn or get_attention_fn("xla")
     pages_per = [-(-len(p) // page_size) for p in prompts]
     num_pages = 1 + sum(pages_per)
     max_pages = max(pages_per)

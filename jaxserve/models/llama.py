@@ -183,7 +183,7 @@ class LlamaForCausalLM(nnx.Module):
             pool = write_kv(pool, k, v, metadata.slot_mapping + l * num_pages * page_size)
             attn = attention_fn(
                 q, pool, metadata.kv_lens, metadata.page_tables + l * num_pages,
-                metadata.cu_q_lens, metadata.num_seqs,
+                metadata.cu_q_lens, metadata.num_seqs, k_new=k, v_new=v,
                 sm_scale=D ** -0.5, sliding_window=cfg.sliding_window,
             )
             x = x + attn.reshape(T, H * D).astype(x.dtype) @ p["wo"]

@@ -1,0 +1,108 @@
+"""python -m jaxserve.serve: gRPC and OpenAI-compatible HTTP over one engine, in one process.
+
+Both listeners come up at once (health NOT_SERVING, HTTP 503) while the model loads and every
+step bucket compiles; then health turns SERVING. SIGTERM stops admission, lets running requests
+finish within --grace-period, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from jaxserve.config import add_engine_args, config_from_args
+
+log = logging.getLogger("jaxserve.serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxserve.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this key (HTTP Bearer, gRPC metadata)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate for gRPC TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key for gRPC TLS")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--log-level", default="info")
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.grpc_server import GenerationService, build_grpc_server, set_health
+    from jaxserve.server.http_server import build_http_app
+    from jaxserve.server.metrics import Metrics
+
+    config = config_from_args(args)
+    model_name = args.served_model_name or (Path(config.model).stem if config.model else "SmolLM2-135M-Instruct")
+    metrics = Metrics()
+    holder: dict[str, AsyncEngine | None] = {"engine": None}
+    get_engine = lambda: holder["engine"]  # noqa: E731
+
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes())
+    service = GenerationService(get_engine, metrics, args.api_key, args.max_request_bytes)
+    grpc_server, health = build_grpc_server(service, f"{args.host}:{args.grpc_port}", tls)
+    await set_health(health, False)
+    await grpc_server.start()
+    app = build_http_app(get_engine, metrics, model_name, args.api_key, args.max_request_bytes)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
+                                         lifespan="off"))
+    http.install_signal_handlers = lambda: None  # we handle SIGTERM ourselves
+    http_task = asyncio.ensure_future(http.serve())
+    log.info("listening: gRPC %s:%d%s, HTTP http://%s:%d (loading the model)", args.host, args.grpc_port,
+             " (TLS)" if tls else "", args.host, args.http_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    t0 = time.perf_counter()
+    load = loop.run_in_executor(None, lambda: AsyncEngine(config))
+    done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if load in done:
+        engine = load.result()
+        holder["engine"] = engine
+        e = engine.engine
+        log.info("ready in %.1f s: model %s, mesh %s, dtype %s, %d KV pages x %d (%.2f GiB), %d buckets compiled "
+                 "in %.1f s", time.perf_counter() - t0, model_name, config.mesh, config.dtype, e.num_pages,
+                 config.page_size, e.runner.kv_cache_bytes / 2**30, len(e.buckets.all()), e.runner.compile_seconds)
+        await set_health(health, True)
+        await stop.wait()
+        log.info("shutting down: no new requests; %d in flight get %.0f s", engine.num_in_flight, args.grace_period)
+        engine.accepting = False
+        await set_health(health, False)
+        deadline = time.monotonic() + args.grace_period
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        engine.shutdown()
+    await grpc_server.stop(1.0)
+    http.should_exit = True
+    await http_task
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

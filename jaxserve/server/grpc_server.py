@@ -1,0 +1,120 @@
+"""gRPC front end (grpc.aio): jaxserve.v1.Generation/Generate, health and reflection.
+
+The method is registered with a raw-bytes deserializer so that a request protobuf cannot parse
+(invalid UTF-8 in `text`, say) is answered INVALID_ARGUMENT by us, not INTERNAL by grpc.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server.common import InvalidRequest, NotReady, Overloaded, make_sampling_params, stream_outputs
+from jaxserve.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+SERVICE = "jaxserve.v1.Generation"
+
+
+def sampling_from_proto(msg: pb.GenerateRequest) -> dict[str, Any]:
+    s = msg.sampling
+    values: dict[str, Any] = {}
+    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "n"):
+        if s.HasField(name):
+            values[name] = getattr(s, name)
+    if s.stop:
+        values["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        values["stop_token_ids"] = list(s.stop_token_ids)
+    return values
+
+
+class GenerationService:
+    def __init__(self, get_engine: Callable[[], Any], metrics: Metrics, api_key: str | None,
+                 max_request_bytes: int):
+        self.get_engine = get_engine
+        self.metrics = metrics
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+
+    async def generate(self, raw: bytes, context: grpc.aio.ServicerContext):
+        if self.api_key is not None:
+            md = dict(context.invocation_metadata() or ())
+            given = md.get("authorization", "").removeprefix("Bearer ").strip() or md.get("x-api-key")
+            if given != self.api_key:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+        if len(raw) > self.max_request_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request is {len(raw)} bytes, the limit is {self.max_request_bytes}")
+        try:
+            req = pb.GenerateRequest.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: request does not parse ({exc}); "
+                                "strings must be valid UTF-8")
+        try:
+            kind = req.WhichOneof("prompt")
+            if kind is None:
+                raise InvalidRequest("prompt is missing: set text or token_ids", "prompt")
+            prompt = req.text if kind == "text" else list(req.token_ids.ids)
+            if not prompt:
+                raise InvalidRequest(f"prompt ({kind}) must not be empty", "prompt")
+            params = make_sampling_params(sampling_from_proto(req))
+            engine = self.get_engine()
+            async for out in stream_outputs(engine, self.metrics, prompt, params,
+                                            request_id=req.request_id or None, priority=req.priority):
+                comp = out.outputs[0]
+                msg = pb.GenerateResponse(request_id=out.request_id, index=comp.index, text=out.delta_text,
+                                          token_ids=out.delta_token_ids)
+                if comp.logprobs:
+                    for tok, entry in zip(out.delta_token_ids, comp.logprobs[len(comp.token_ids) - len(out.delta_token_ids):]):
+                        msg.logprobs.append(pb.TokenLogprob(
+                            token_id=tok, logprob=entry[tok],
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.items()]))
+                if out.finished:
+                    msg.finish_reason = comp.finish_reason or "abort"
+                    msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids),
+                                                completion_tokens=len(comp.token_ids),
+                                                cached_prompt_tokens=out.num_cached_tokens))
+                yield msg
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except NotReady as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+def build_grpc_server(service: GenerationService, address: str, tls: tuple[bytes, bytes] | None = None,
+                      max_message_bytes: int = 64 << 20) -> tuple[grpc.aio.Server, health.HealthServicer]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", max_message_bytes)])
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString),
+    })
+    server.add_generic_rpc_handlers((handler,))
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    if tls is not None:
+        creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (private key, certificate chain)
+        server.add_secure_port(address, creds)
+    else:
+        server.add_insecure_port(address)
+    return server, health_servicer
+
+
+async def set_health(health_servicer: Any, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE):
+        result = health_servicer.set(name, status)
+        if hasattr(result, "__await__"):
+            await result
