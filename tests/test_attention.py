@@ -1,0 +1,140 @@
+"""Ragged paged attention: the XLA reference against dense float64 numpy, and the XLA serving path
+and the Pallas kernel (interpret mode) against the reference, on mixed decode + prefill batches."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.attention import (ragged_paged_attention_split, ragged_paged_attention_xla, write_kv)
+from jaxserve.pallas_kernels import ragged_paged_attention_gpu
+
+
+def make_case(seed: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int, specs, dtype=jnp.float32):
+    """specs: (q_len, kv_len) per sequence. Pages in random order, never page 0; unused pages hold garbage."""
+    rng = np.random.default_rng(seed)
+    pages_needed = [-(-kv // page_size) for _, kv in specs]
+    num_pages = 1 + sum(pages_needed) + 5
+    width = max(1, max(pages_needed))
+    pool = rng.normal(size=(num_pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32) * 3
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables = np.zeros((len(specs) + 2, width), np.int32)  # two padding sequence rows
+    k = 0
+    for i, n in enumerate(pages_needed):
+        tables[i, :n] = perm[k: k + n]
+        k += n
+    cu = np.zeros(len(specs) + 3, np.int32)
+    cu[1: len(specs) + 1] = np.cumsum([q for q, _ in specs])
+    cu[len(specs) + 1:] = cu[len(specs)]
+    num_tokens = int(cu[-1]) + 3  # padding rows
+    q = rng.normal(size=(num_tokens, q_heads, head_dim)).astype(np.float32)
+    k_new = rng.normal(size=(num_tokens, kv_heads, head_dim)).astype(np.float32)
+    v_new = rng.normal(size=(num_tokens, kv_heads, head_dim)).astype(np.float32)
+    slots = []
+    for i, (ql, kv) in enumerate(specs):
+        slots += [tables[i, p // page_size] * page_size + p % page_size for p in range(kv - ql, kv)]
+    slots += [0] * 3  # padding writes into the null page
+    kv_lens = np.zeros(len(specs) + 2, np.int32)
+    kv_lens[: len(specs)] = [kv for _, kv in specs]
+    pool = write_kv(jnp.asarray(pool, dtype), jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype), jnp.asarray(slots))
+    args = (jnp.asarray(q, dtype), pool, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu),
+            jnp.asarray([len(specs)], jnp.int32))
+    return args, jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype)
+
+
+def dense_reference(args, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
+    q, pool, kv_lens, tables, cu, num_seqs = (np.asarray(a, np.float64) if i < 2 else np.asarray(a)
+                                              for i, a in enumerate(args))
+    out = np.zeros_like(q)
+    kvh = pool.shape[2] // 2
+    group = q.shape[1] // kvh
+    for s in range(int(num_seqs[0])):
+        kv = pool[tables[s]].reshape(-1, pool.shape[2], pool.shape[3])[: kv_lens[s]]
+        ql = cu[s + 1] - cu[s]
+        for i in range(ql):
+            pos = kv_lens[s] - ql + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(q.shape[1]):
+                k, v = kv[lo: pos + 1, 2 * (h // group)], kv[lo: pos + 1, 2 * (h // group) + 1]
+                sc = k @ q[cu[s] + i, h] * sm_scale
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
+                p = np.exp(sc - sc.max())
+                out[cu[s] + i, h] = (p / p.sum()) @ v
+    return out
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+# (q heads, kv heads, head_dim, page size, sequences as (q_len, kv_len))
+CASES = [
+    (4, 4, 64, 8, [(1, 1), (1, 7), (1, 8), (1, 9), (5, 5), (3, 30)]),  # MHA, lengths around a page
+    (8, 2, 128, 16, [(1, 15), (1, 16), (1, 17), (16, 16), (9, 40), (1, 200)]),  # GQA 4, long decode
+    (8, 1, 64, 32, [(1, 33), (20, 20), (7, 70)]),  # MQA
+    (8, 8, 64, 64, [(1, 64), (2, 65), (1, 1)]),  # page size 64
+    (9, 3, 64, 16, [(12, 12), (1, 50), (4, 36)]),  # SmolLM2's heads, GQA 3
+    (16, 2, 64, 8, [(1, 3), (6, 6)]),  # GQA 8
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_reference_matches_dense_float64(case):
+    args, _, _ = make_case(case, *CASES[case])
+    for window, cap in ((None, None), (5, None), (None, 4.0)):
+        ours = ragged_paged_attention_xla(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap)
+        assert rel(ours, dense_reference(args, 0.125, window, cap)) <= 1e-5
+        assert float(jnp.abs(ours[-3:]).max()) == 0.0  # padding rows
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_serving_path_matches_reference(case):
+    args, k_new, v_new = make_case(100 + case, *CASES[case])
+    for window, cap in ((None, None), (5, None), (None, 4.0)):
+        ref = ragged_paged_attention_xla(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap)
+        ours = ragged_paged_attention_split(*args, k_new=k_new, v_new=v_new, sm_scale=0.125,
+                                            sliding_window=window, soft_cap=cap)
+        assert rel(ours, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_pallas_gpu_kernel_interpret_matches_reference(case):
+    args, _, _ = make_case(200 + case, *CASES[case])
+    for window, cap in ((None, None), (5, 4.0)):
+        ref = ragged_paged_attention_xla(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap)
+        ours = ragged_paged_attention_gpu(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap,
+                                          pages_per_block=2, num_splits=2, interpret=True)
+        assert rel(ours, ref) <= 1e-5
+
+
+def test_options_change_the_result():
+    """Guards the tests above against a window or cap that silently does nothing."""
+    args, _, _ = make_case(7, *CASES[1])
+    plain = ragged_paged_attention_xla(*args, sm_scale=0.125)
+    assert rel(ragged_paged_attention_xla(*args, sm_scale=0.125, sliding_window=5), plain) > 1e-2
+    assert rel(ragged_paged_attention_xla(*args, sm_scale=0.125, soft_cap=1.0), plain) > 1e-2
+
+
+def test_bfloat16_within_stated_bound():
+    args, k_new, v_new = make_case(9, *CASES[1], dtype=jnp.bfloat16)
+    ref = dense_reference(args, 0.125)
+    assert rel(ragged_paged_attention_xla(*args, sm_scale=0.125), ref) <= 2e-2
+    assert rel(ragged_paged_attention_split(*args, k_new=k_new, v_new=v_new, sm_scale=0.125), ref) <= 2e-2
+    assert rel(ragged_paged_attention_gpu(*args, sm_scale=0.125, interpret=True), ref) <= 2e-2
+
+
+def test_garbage_in_unused_pages_does_not_leak():
+    args, k_new, v_new = make_case(11, *CASES[0])
+    q, pool, kv_lens, tables, cu, ns = args
+    used = set(np.asarray(tables).ravel().tolist())
+    unused = [p for p in range(pool.shape[0]) if p not in used or p == 0]
+    poisoned = pool.at[jnp.asarray(unused)].set(1e6)
+    for fn in (ragged_paged_attention_xla,
+               lambda *a, **k: ragged_paged_attention_split(*a, k_new=k_new, v_new=v_new, **k),
+               lambda *a, **k: ragged_paged_attention_gpu(*a, interpret=True, **k)):
+        a = fn(q, pool, kv_lens, tables, cu, ns, sm_scale=0.125)
+        b = fn(q, poisoned, kv_lens, tables, cu, ns, sm_scale=0.125)
+        assert rel(b, a) <= 1e-6
