@@ -63,7 +63,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request_id or self.engine.new_request_id()
         sub_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        await loop.run_in_executor(None, self._submit, sub_ids, prompt, params, priority, loop, queue)
+        await loop.run_in_executor(None, self._submit, request_id, sub_ids, prompt, params, priority, loop, queue)
         remaining = set(sub_ids)
         try:
             while remaining:
@@ -94,7 +94,7 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---- engine thread ----------------------------------------------------------------------
-    def _submit(self, sub_ids, prompt, params, priority, loop, queue) -> None:
+    def _submit(self, request_id, sub_ids, prompt, params, priority, loop, queue) -> None:
         with self._count_lock:
             self._pending_submits += 1
         try:

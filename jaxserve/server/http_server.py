@@ -178,6 +178,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             return error(429, str(exc), "rate_limit_error")
         except NotReady as exc:
             return error(503, str(exc), "service_unavailable")
+        except Exception as exc:  # noqa: BLE001 - this request alone fails, in OpenAI's shape
+            return error(500, f"internal error: {exc}", "server_error")
 
     async def stream_response(engine, prompts, params, rid, created, chat, include_usage) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
