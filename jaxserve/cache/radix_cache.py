@@ -108,8 +108,10 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: _Node) -> None:
+        # Ancestors are locked at least as often as node, so checking node alone keeps counts >= 0.
+        if node.lock <= 0:
+            raise ValueError("unlock of an unlocked node")
         while node is not None:
-            assert node.lock > 0, "unlock of an unlocked node"
             node.lock -= 1
             node = node.parent
 
@@ -185,14 +187,20 @@ class RadixCache:
         return refs
 
     def check_invariants(self) -> None:
+        """Locks consistent along paths, edges whole pages, each tree page held in the pool once."""
+        assert self.root.key == () and not self.root.pages, "the root holds tokens"
+        free = set(self.pool.free_pages())
         seen: set[int] = set()
-        for n in self._nodes():
+        for n in [self.root, *self._nodes()]:
             assert n.lock >= 0, "negative lock count"
-            assert n.parent.lock >= n.lock, "a parent is locked less than its child"
+            # Each lock of a node also locks every ancestor: a node counts at least its children's.
+            assert n.lock >= sum(c.lock for c in n.children.values()), "a parent is locked less than its children"
+            for first, c in n.children.items():
+                assert c.parent is n and c.key[: self.page_size] == first, "child linked or keyed wrongly"
+            if n is self.root:
+                continue
             assert len(n.key) == len(n.pages) * self.page_size and n.pages, "edge is not whole pages"
-            assert n.parent.children.get(n.key[: self.page_size]) is n, "child keyed wrongly"
             for p in n.pages:
                 assert p not in seen, f"page {p} twice in the tree"
                 seen.add(p)
-                assert self.pool.refcount(p) >= 1, f"tree page {p} is free in the pool"
-        assert self.root.lock >= 0
+                assert self.pool.refcount(p) >= 1 and p not in free, f"tree page {p} is free in the pool"

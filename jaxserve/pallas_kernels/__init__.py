@@ -1,4 +1,12 @@
-"""Pallas ragged paged attention, dispatched by platform; same contract as the XLA reference."""
+"""Pallas ragged paged attention, dispatched by platform; same contract as the XLA reference.
+
+tpu -> our Mosaic TPU kernel; gpu -> our Triton kernels (split-K decode + query-block prefill);
+cpu -> the GPU kernels with ``interpret=True``. On CPU the Triton-style kernels are interpreted by
+discharging them into ordinary XLA ops (a loop over the grid), which jit-compiles and runs inside
+the model's lax.scan at reasonable speed. The TPU interpreter instead simulates every DMA and
+semaphore through host callbacks: far slower, so it is only used by the tests
+(``ragged_paged_attention_tpu(..., interpret=True)``).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,48 @@ from jaxserve.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_atte
 from jaxserve.pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
 
-def ragged_paged_attention_pallas(q, kv_pages, kv_lens, page_tables, cu_q_lens, num_seqs, **kw) -> jax.Array:
-    """TPU: jax's Mosaic kernel. GPU: our split-K kernel compiled by Triton. CPU: the same GPU
-    kernel in interpret mode (the TPU kernel's interpreter fails under jax 0.10.2)."""
+def ragged_paged_attention_pallas(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    pages_per_block: int | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    split_tokens: int | None = None,
+) -> jax.Array:
+    """Ragged paged attention through Pallas. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
+
+    Block sizes are optional: TPU uses block_q and pages_per_block, GPU/CPU use block_q, block_kv
+    (KV token slots per step; defaults to pages_per_block * page_size if only that is given) and
+    split_tokens (decode split length).
+    """
+    args = (q, kv_pages, kv_lens, page_tables, cu_q_lens, num_seqs)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     platform = jax.default_backend()
     if platform == "tpu":
-        return ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_tables, cu_q_lens, num_seqs, **kw)
-    return ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_tables, cu_q_lens, num_seqs,
-                                      interpret=platform == "cpu", **kw)
+        return ragged_paged_attention_tpu(*args, **kw, block_q=block_q, pages_per_block=pages_per_block)
+    gpu_kw = {}
+    if block_q is not None:
+        gpu_kw["block_q"] = block_q
+    if block_kv is None and pages_per_block is not None:
+        block_kv = max(16, 1 << max(0, (pages_per_block * kv_pages.shape[1] - 1).bit_length()))  # pow2 for Triton
+    if block_kv is not None:
+        gpu_kw["block_kv"] = block_kv
+    if split_tokens is not None:
+        gpu_kw["split_tokens"] = split_tokens
+    if platform == "cpu":
+        # Small blocks: interpreted, a block costs its full size whatever the lengths.
+        gpu_kw.setdefault("block_q", 16)
+        gpu_kw.setdefault("block_kv", 32)
+        gpu_kw.setdefault("split_tokens", 1 << 30)  # one split: no parallelism to gain on CPU
+    return ragged_paged_attention_gpu(*args, **kw, **gpu_kw, interpret=platform != "gpu")
 
 
 __all__ = ["ragged_paged_attention_pallas", "ragged_paged_attention_gpu", "ragged_paged_attention_tpu"]

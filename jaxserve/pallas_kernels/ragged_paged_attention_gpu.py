@@ -1,12 +1,20 @@
-"""Ragged paged attention as a Pallas kernel in the GPU (Triton) style, with split-K.
+"""Ragged paged attention as Pallas kernels for GPU (Triton backend); ``interpret=True`` on CPU.
 
-One program per (query row, KV head, KV split): it loads the row's pages a block at a time by
-vector-indexing the page table, runs an online softmax over its share of the context, and writes
-an unnormalised partial result; the splits are then combined (flash-decoding). All query heads of
-a KV head (the GQA group) share each page load. Prefill rows run as independent rows too: correct
-for any mix, though a prefill row re-reads pages that its neighbours also read.
+Same inputs and semantics as ``jaxserve.attention.ragged_paged_attention_xla``. Two kernels, both
+launched for every step (shapes are static under jit, so which sequences decode is only known on
+device); each skips the sequences the other one owns:
 
-On CPU it runs with interpret=True, which is how the tests check it against the XLA reference.
+  * decode (sequences with exactly one query row): flash-decoding. grid = (seq, kv_head, split);
+    a program runs an online softmax over its split of the context for all query heads of its KV
+    head (the GQA group, padded to 16 rows for Triton's dot) and writes an unnormalised partial
+    (acc, l, m); the splits are combined in XLA afterwards.
+  * prefill (sequences with several query rows): grid = (q_head, T / block_q) over the flat query
+    rows. A q block loops over the (precomputed) sequences that its rows intersect and keeps one
+    per-row online softmax; rows of other sequences are masked to -inf and stay untouched.
+
+KV is read in blocks of ``block_kv`` token slots: each slot's page comes from the page table by
+a vector gather, so the block size is independent of the page size. The pool is passed whole
+(no block spec), so nothing is copied per program; K of KV head h is combined head 2h, V 2h+1.
 """
 
 from __future__ import annotations
@@ -17,122 +25,225 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxserve.attention import token_sequence_ids
+from jaxserve.pallas_kernels.ragged_paged_attention_tpu import q_block_seq_ranges
 
-try:  # moved between jax releases
+try:  # the Triton namespace and its params class were renamed across jax releases
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
+_CompilerParams = None
+if plgpu is not None:
+    _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams", None)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(kv_len_ref, q_pos_ref, lo_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, *,
-            sm_scale: float, soft_cap: float | None, page_size: int, pages_per_block: int,
-            pages_per_split: int):
-    split = pl.program_id(2)
-    q = q_ref[...].astype(jnp.float32) * sm_scale  # [G, D]
-    kv_len, q_pos, lo = kv_len_ref[0], q_pos_ref[0], lo_ref[0]
-    limit = jnp.minimum(kv_len, q_pos + 1)  # causal: keys up to the row's own position
-    block = pages_per_block * page_size
-    start = split * pages_per_split * page_size
-    n_blocks = jnp.clip((limit - start + block - 1) // block, 0, pages_per_split // pages_per_block)
+def _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv: int, page_size: int, pages_per_seq: int):
+    """K, V [block_kv, D] of KV block j of a sequence; slots past kv_len read the null page and V=0."""
+    tok = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+    col = jnp.minimum(tok // page_size, pages_per_seq - 1)
+    ok = tok < kv_len
+    page = jnp.where(ok, pt_ref[seq, col], 0)  # garbage ids past the end are never dereferenced
+    off = tok % page_size
+    k = kv_ref[page, off, 2 * kvh, :]
+    v = kv_ref[page, off, 2 * kvh + 1, :]
+    v = jnp.where(ok[:, None], v, jnp.zeros_like(v))  # 0 * stale inf/nan would poison the sum
+    return k, v, tok
 
-    def body(i, carry):
-        acc, l, m = carry
-        first_page = split * pages_per_split + i * pages_per_block
-        table = pages_ref[pl.ds(first_page, pages_per_block)]
-        k = k_ref[table].reshape(block, -1).astype(jnp.float32)
-        v = v_ref[table].reshape(block, -1).astype(jnp.float32)
-        s = jnp.dot(q, k.T)  # [G, block]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        j = start + i * block + jnp.arange(block)
-        ok = (j < limit) & (j >= lo)
+
+def _online_update(s, v, m, l, acc, precision):
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp(m - m_safe)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32, precision=precision)
+    return m_new, l * alpha + p.sum(axis=-1), acc * alpha[:, None] + pv
+
+
+def _scores(q, k, soft_cap, precision):
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=precision)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+def _decode_kernel(kv_lens_ref, cu_ref, ns_ref, pt_ref, q_ref, kv_ref, o_ref, l_ref, m_ref, *,
+                   sm_scale, sliding_window, soft_cap, block_kv, split_tokens, page_size, pages_per_seq,
+                   precision):
+    seq, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_len = kv_lens_ref[seq]
+    is_decode = (seq < ns_ref[0]) & (cu_ref[seq + 1] - cu_ref[seq] == 1)
+    q_pos = kv_len - 1
+    lo = 0 if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0)
+    start = jnp.maximum(split * split_tokens, lo)
+    end = jnp.where(is_decode, jnp.minimum((split + 1) * split_tokens, kv_len), 0)
+    blk_lo = start // block_kv
+    blk_hi = jnp.maximum((end + block_kv - 1) // block_kv, blk_lo)
+    blk_hi = jnp.where(end > start, blk_hi, blk_lo)
+
+    q = q_ref[...]
+    q = (q.astype(jnp.float32) * sm_scale).astype(kv_ref.dtype)  # [Gp, D]
+    gp, d = q.shape
+
+    def body(j, carry):
+        m, l, acc = carry
+        k, v, tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq)
+        s = _scores(q, k, soft_cap, precision)
+        ok = (tok >= start) & (tok < end)  # this split's share, causal and window bounds included
         s = jnp.where(ok[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[:, None])
-        alpha = jnp.exp(m - m_safe)
-        return acc * alpha[:, None] + jnp.dot(p, v), l * alpha + p.sum(axis=-1), m_new
+        return _online_update(s, v, m, l, acc, precision)
 
-    g, d = q.shape
-    init = (jnp.zeros((g, d), jnp.float32), jnp.zeros((g,), jnp.float32), jnp.full((g,), -jnp.inf, jnp.float32))
-    acc, l, m = jax.lax.fori_loop(0, n_blocks, body, init)
+    init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, d), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(blk_lo, blk_hi, body, init)
     o_ref[...] = acc
     l_ref[...] = l
     m_ref[...] = m
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block",
-                                             "num_splits", "interpret"))
+def _prefill_kernel(kv_lens_ref, cu_ref, ns_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_ref, kv_ref, o_ref, *,
+                    sm_scale, sliding_window, soft_cap, block_kv, page_size, pages_per_seq, group, precision):
+    head, qb = pl.program_id(0), pl.program_id(1)
+    kvh = head // group
+    q = q_ref[...]
+    bq, d = q.shape
+    q = (q.astype(jnp.float32) * sm_scale).astype(kv_ref.dtype)
+    r0 = qb * bq
+    rows = r0 + jnp.arange(bq, dtype=jnp.int32)
+
+    def seq_body(seq, carry):
+        kv_len = kv_lens_ref[seq]
+        q_start, q_end = cu_ref[seq], cu_ref[seq + 1]
+        q_len = q_end - q_start
+        a, b = jnp.maximum(q_start, r0), jnp.minimum(q_end, r0 + bq)
+        first_pos = kv_len - q_len + (a - q_start)
+        hi = jnp.minimum(kv_len - q_len + (b - q_start), kv_len)
+        lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+        live = (a < b) & (q_len > 1) & (hi > lo)  # 1-row sequences belong to the decode kernel
+        blk_lo = lo // block_kv
+        blk_hi = jnp.where(live, (hi + block_kv - 1) // block_kv, blk_lo)
+        in_seq = (rows >= a) & (rows < b)
+        q_pos = kv_len - q_len + (rows - q_start)
+
+        def kv_body(j, carry):
+            m, l, acc = carry
+            k, v, tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq)
+            s = _scores(q, k, soft_cap, precision)
+            ok = in_seq[:, None] & (tok[None, :] < kv_len) & (tok[None, :] <= q_pos[:, None])
+            if sliding_window is not None:
+                ok = ok & (tok[None, :] > q_pos[:, None] - sliding_window)
+            s = jnp.where(ok, s, -jnp.inf)
+            return _online_update(s, v, m, l, acc, precision)
+
+        return jax.lax.fori_loop(blk_lo, blk_hi, kv_body, carry)
+
+    init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
+    seq_hi = jnp.minimum(seq_hi_ref[qb], ns_ref[0])
+    m, l, acc = jax.lax.fori_loop(seq_lo_ref[qb], seq_hi, seq_body, init)
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
 def ragged_paged_attention_gpu(
-    q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_tables: jax.Array, cu_q_lens: jax.Array,
-    num_seqs: jax.Array, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    pages_per_block: int = 4, num_splits: int = 4, interpret: bool = False,
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = 32,
+    block_kv: int = 64,
+    split_tokens: int = 512,
+    interpret: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> jax.Array:
-    """Same contract as `jaxserve.attention.ragged_paged_attention_xla`."""
+    """Ragged paged attention on GPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
+
+    block_q: prefill query rows per program; block_kv: KV token slots per inner step (both powers
+    of two, >= 16 for Triton's dot); split_tokens: context tokens per decode split (flash-decoding).
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, two_kvh, _ = kv_pages.shape
     kv_heads = two_kvh // 2
     group = num_heads // kv_heads
-    g_pad = max(16, _next_pow2(group))  # Triton's dot wants >= 16 rows
-    pages_per_block = min(pages_per_block, _next_pow2(page_tables.shape[1]))
-    # Pad the page-table width so that it splits into whole blocks per split.
-    unit = pages_per_block * num_splits
-    width = -(-page_tables.shape[1] // unit) * unit
-    page_tables = jnp.pad(page_tables, ((0, 0), (0, width - page_tables.shape[1])))
+    num_seqs_max, pages_per_seq = page_tables.shape
+    for name, v in (("block_q", block_q), ("block_kv", block_kv)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    ctx = -(-(pages_per_seq * page_size) // block_kv) * block_kv  # longest context, whole blocks
+    split_tokens = min(ctx, max(block_kv, -(-split_tokens // block_kv) * block_kv))
+    num_splits = max(1, -(-(pages_per_seq * page_size) // split_tokens))
+    g_pad = max(16, _next_pow2(group))
+    precision = jax.lax.Precision.HIGHEST if kv_pages.dtype == jnp.float32 else None
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu = cu_q_lens.astype(jnp.int32)
+    ns = num_seqs.astype(jnp.int32).reshape(-1)[:1]
+    pt = page_tables.astype(jnp.int32)
+    params = {}
+    if not interpret and _CompilerParams is not None:
+        params["compiler_params"] = _CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    full = pl.BlockSpec()  # whole array, indexed inside the kernel
 
-    seq = token_sequence_ids(cu_q_lens, num_tokens)
-    valid = seq < num_seqs[0]
-    seq_c = jnp.minimum(seq, page_tables.shape[0] - 1)
-    q_start = cu_q_lens[seq_c]
-    kv_len = jnp.where(valid, kv_lens[seq_c], 0).astype(jnp.int32)
-    q_pos = (kv_len - (cu_q_lens[seq_c + 1] - q_start) + jnp.arange(num_tokens) - q_start).astype(jnp.int32)
-    lo = jnp.zeros_like(q_pos) if sliding_window is None else q_pos - sliding_window + 1
-    row_pages = page_tables[seq_c]  # [T, width]
-    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
-
-    kernel = functools.partial(_kernel, sm_scale=sm_scale, soft_cap=soft_cap, page_size=page_size,
-                               pages_per_block=pages_per_block, pages_per_split=width // num_splits)
-    n_pages = kv_pages.shape[0]
-    row = lambda t, h, s: (t,)  # noqa: E731
-    kw = {}
-    if not interpret and plgpu is not None:
-        kw["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    # Decode: each sequence's last query row (only used where the sequence has exactly one).
+    last_row = jnp.clip(cu[1:] - 1, 0, num_tokens - 1)
+    qd = q[last_row].reshape(num_seqs_max, kv_heads, group, head_dim)
+    qd = jnp.pad(qd, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
+    dec = functools.partial(_decode_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                            block_kv=block_kv, split_tokens=split_tokens, page_size=page_size,
+                            pages_per_seq=pages_per_seq, precision=precision)
     o, l, m = pl.pallas_call(
-        kernel,
-        grid=(num_tokens, kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), row), pl.BlockSpec((1,), row), pl.BlockSpec((1,), row),
-            pl.BlockSpec((None, width), lambda t, h, s: (t, 0)),
-            pl.BlockSpec((None, None, g_pad, head_dim), lambda t, h, s: (t, h, 0, 0)),
-            # The pool is passed twice: K of head h is combined head 2h, V is 2h + 1.
-            pl.BlockSpec((n_pages, page_size, None, head_dim), lambda t, h, s: (0, 0, 2 * h, 0)),
-            pl.BlockSpec((n_pages, page_size, None, head_dim), lambda t, h, s: (0, 0, 2 * h + 1, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, g_pad, head_dim), lambda t, h, s: (s, t, h, 0, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda t, h, s: (s, t, h, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda t, h, s: (s, t, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_splits, num_tokens, kv_heads, g_pad, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, num_tokens, kv_heads, g_pad), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, num_tokens, kv_heads, g_pad), jnp.float32),
-        ],
+        dec,
+        grid=(num_seqs_max, kv_heads, num_splits),
+        in_specs=[full, full, full, full,
+                  pl.BlockSpec((None, None, g_pad, head_dim), lambda s, h, k: (s, h, 0, 0)), full],
+        out_specs=[pl.BlockSpec((None, None, None, g_pad, head_dim), lambda s, h, k: (s, k, h, 0, 0)),
+                   pl.BlockSpec((None, None, None, g_pad), lambda s, h, k: (s, k, h, 0)),
+                   pl.BlockSpec((None, None, None, g_pad), lambda s, h, k: (s, k, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_seqs_max, num_splits, kv_heads, g_pad, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((num_seqs_max, num_splits, kv_heads, g_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((num_seqs_max, num_splits, kv_heads, g_pad), jnp.float32)],
         interpret=interpret,
-        name="ragged_paged_attention_gpu",
-        **kw,
-    )(kv_len, q_pos, lo, row_pages, qg, kv_pages, kv_pages)
-    # Combine the splits (flash-decoding's second pass).
-    m_all = m.max(axis=0)
+        name="jaxserve_rpa_decode",
+        **params,
+    )(kv_lens, cu, ns, pt, qd, kv_pages)
+    # Flash-decoding's second pass: merge the splits' partial softmaxes.
+    m_all = m.max(axis=1, keepdims=True)
     m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    w = jnp.exp(m - m_safe[None])
-    l_all = (l * w).sum(axis=0)
-    out = (o * w[..., None]).sum(axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    out = jnp.where(valid[:, None, None, None], out, 0.0)[:, :, :group]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    w = jnp.exp(m - m_safe)
+    l_all = (l * w).sum(axis=1)
+    dec_out = (o * w[..., None]).sum(axis=1) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    dec_out = dec_out[:, :, :group].reshape(num_seqs_max, num_heads, head_dim)
+
+    # Prefill: flat query blocks, head-major so one program reads a [block_q, D] tile.
+    t_pad = -(-num_tokens // block_q) * block_q
+    nqb = t_pad // block_q
+    qt = jnp.pad(jnp.swapaxes(q, 0, 1), ((0, 0), (0, t_pad - num_tokens), (0, 0)))
+    seq_lo, seq_hi = q_block_seq_ranges(cu, nqb, block_q)
+    pre = functools.partial(_prefill_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                            block_kv=block_kv, page_size=page_size, pages_per_seq=pages_per_seq, group=group,
+                            precision=precision)
+    q_spec = pl.BlockSpec((None, block_q, head_dim), lambda h, i: (h, i, 0))
+    out = pl.pallas_call(
+        pre,
+        grid=(num_heads, nqb),
+        in_specs=[full, full, full, full, full, full, q_spec, full],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        interpret=interpret,
+        name="jaxserve_rpa_prefill",
+        **params,
+    )(kv_lens, cu, ns, seq_lo, seq_hi, pt, qt, kv_pages)
+    out = jnp.swapaxes(out[:, :num_tokens], 0, 1)
+
+    # Put decode rows in place; other sequences' rows scatter out of range and are dropped.
+    seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)
+    is_decode = (seq_ids < ns[0]) & (cu[1:] - cu[:-1] == 1)
+    dst = jnp.where(is_decode, cu[:-1], num_tokens)
+    return out.at[dst].set(dec_out.astype(q.dtype), mode="drop")
