@@ -1,9 +1,10 @@
 """Offline throughput: jaxserve continuous vs static batching vs HF transformers, in one run.
 
-    python scripts/bench_offline.py --num-prompts 64 --output-len 64 --hf-batch 32
+    python scripts/bench_offline.py --num-prompts 64 --hf-batch 32 --out docs/results/bench_offline.json
 
-Each system generates the same seeded prompts greedily with EOS ignored, so every system produces
-exactly num_prompts x output_len tokens. Prints a table and writes JSON (--out).
+Each system generates the same seeded prompts greedily with EOS ignored, each request with its own
+seeded output length, so every system produces the same useful tokens (a static HF batch runs to
+its longest answer; only the requested tokens count). Prints a table and writes JSON (--out).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> 
     return out
 
 
-def bench_jaxserve(llm: LLM, prompts, output_len: int, repeats: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def bench_jaxserve(llm: LLM, prompts, output_lens: list[int], repeats: int) -> dict:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm
     times = []
     for _ in range(repeats):
@@ -47,11 +48,15 @@ def bench_jaxserve(llm: LLM, prompts, output_len: int, repeats: int) -> dict:
         times.append(time.perf_counter() - t0)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     t = statistics.median(times)
+    # Host share of decode-only steps at the largest batch seen.
+    decode = [(s, host, total) for s, n, host, total in llm.engine.step_timings if s == n]
+    top = max((s for s, _, _ in decode), default=0)
+    host_share = statistics.median(h / tot for s, h, tot in decode if s == top) if decode else float("nan")
     return dict(seconds=t, output_tokens=tokens, tok_per_s=tokens / t, compiles_after_warmup=llm.engine.compiles_after_warmup,
-                outputs=[o.outputs[0].token_ids for o in outs])
+                decode_batch=top, decode_host_share=host_share, outputs=[o.outputs[0].token_ids for o in outs])
 
 
-def bench_hf(prompts, output_len: int, batch: int) -> dict:
+def bench_hf(prompts, output_lens: list[int], batch: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,13 +70,15 @@ def bench_hf(prompts, output_len: int, batch: int) -> dict:
     outputs = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i: i + batch]
+        output_len = max(output_lens[i: i + batch])  # a static batch runs as long as its longest answer
         width = max(map(len, chunk))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False, pad_token_id=0)
-        outputs += out[:, width:].tolist()
-        tokens += out[:, width:].numel()
+        for row, want in zip(out[:, width:].tolist(), output_lens[i: i + batch]):
+            outputs.append(row[:want])
+            tokens += want  # useful tokens only
     t = time.perf_counter() - t0
     return dict(seconds=t, output_tokens=tokens, tok_per_s=tokens / t, outputs=outputs)
 
@@ -81,7 +88,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-input-len", type=int, default=32)
     ap.add_argument("--max-input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--min-output-len", type=int, default=16)
+    ap.add_argument("--max-output-len", type=int, default=160)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--hf-batch", type=int, default=32, help="HF static batch size (0: skip HF)")
@@ -93,21 +101,26 @@ def main() -> None:
     results: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "args": vars(args)}
     common = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=1024, enable_prefix_caching=False)
-    llm = LLM(**common)
-    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
     t0 = time.perf_counter()
-    results["jaxserve_continuous"] = bench_jaxserve(llm, prompts, args.output_len, args.repeats)
+    llm = LLM(**common)
+    results["startup_seconds"] = time.perf_counter() - t0  # cold or warm compile cache: see --note
+    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    output_lens = [int(n) for n in rng.integers(args.min_output_len, args.max_output_len + 1, args.num_prompts)]
+    t0 = time.perf_counter()
+    results["jaxserve_continuous"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
     llm.engine.scheduler.static = True
-    results["jaxserve_static"] = bench_jaxserve(llm, prompts, args.output_len, args.repeats)
+    results["jaxserve_static"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
     if args.hf_batch:
-        results["hf_transformers"] = bench_hf(prompts, args.output_len, args.hf_batch)
+        results["hf_transformers"] = bench_hf(prompts, output_lens, args.hf_batch)
     ref = results["jaxserve_continuous"]["outputs"]
     for name in ("jaxserve_static", "hf_transformers"):
         if name in results:
             same = sum(a == b for a, b in zip(ref, results[name]["outputs"]))
             results[name]["identical_to_continuous"] = f"{same}/{len(ref)}"
     print(f"\n{args.num_prompts} prompts, input {args.min_input_len}-{args.max_input_len} tokens, "
-          f"{args.output_len} output tokens each, greedy, f32, {results['machine']}")
+          f"output {args.min_output_len}-{args.max_output_len} tokens (ignore_eos), greedy, f32, {results['machine']}")
+    print(f"start-up (load + compile {len(llm.engine.buckets.all())} buckets): {results['startup_seconds']:.1f} s")
     print(f"{'system':24s} {'seconds':>9s} {'out tok/s':>10s}  same outputs as continuous")
     for name in ("jaxserve_continuous", "jaxserve_static", "hf_transformers"):
         if name in results:
@@ -117,6 +130,8 @@ def main() -> None:
     for name in ("jaxserve_static", "hf_transformers"):
         if name in results:
             print(f"continuous / {name}: {base / results[name]['tok_per_s']:.2f}x")
+    c = results["jaxserve_continuous"]
+    print(f"decode step at batch {c['decode_batch']}: host (schedule + inputs) {100 * c['decode_host_share']:.1f}% of the step")
     print(f"compilations after warm-up: {results['jaxserve_continuous']['compiles_after_warmup']}; "
           f"total bench time {time.perf_counter() - t0:.0f} s")
     for r in results.values():

@@ -54,7 +54,7 @@ def server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("xla")
     cmd = [sys.executable, "-m", "jaxserve.serve", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-pages", "64",
-           "--max-waiting", "8", "--compilation-cache-dir", str(cache), "--grace-period", "20"]
+           "--max-waiting", "64", "--compilation-cache-dir", str(cache), "--grace-period", "20"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{http_port}"
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
@@ -220,7 +220,7 @@ def test_cancel_and_deadline_free_pages(server):
 
 def test_queue_full_is_resource_exhausted(server):
     client = Client(server["grpc"])
-    streams = [client.stream(f"Story {i}:", max_tokens=60, temperature=0.0, ignore_eos=True) for i in range(16)]
+    streams = [client.stream(f"Story {i}:", max_tokens=20, temperature=0.0, ignore_eos=True) for i in range(80)]
     codes = []
     for s in streams:
         try:
@@ -230,6 +230,63 @@ def test_queue_full_is_resource_exhausted(server):
         except grpc.RpcError as e:
             codes.append(e.code())
     assert "ok" in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes, codes
+
+
+def test_many_streams_half_cancelled(server):
+    """Cancelled streams free their pages; the others get exactly what they get alone."""
+    import threading
+
+    client = Client(server["grpc"])
+    prompts = [f"Fact {i}: the" for i in range(8)]
+    alone = {p: client.generate(p, max_tokens=10, temperature=0.0, ignore_eos=True)[0] for p in prompts}
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        stream = client.stream(prompts[i % 8], max_tokens=10, temperature=0.0, ignore_eos=True)
+        if i % 2:
+            next(stream)
+            stream.cancel()
+            return
+        results[i] = "".join(m.text for m in stream)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join(120)
+    assert len(results) == 32 and all(text == alone[prompts[i % 8]] for i, text in results.items())
+    deadline = time.time() + 10
+    while time.time() < deadline and metric(server["base"], "jaxserve:num_requests_running") > 0:
+        time.sleep(0.1)
+    assert metric(server["base"], "jaxserve:num_requests_running") == 0
+
+
+def test_fuzzed_requests_get_only_documented_codes(server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    channel = grpc.insecure_channel(server["grpc"])
+    raw_call = channel.unary_stream("/jaxserve.v1.Generation/Generate", request_serializer=lambda b: b,
+                                    response_deserializer=pb.GenerateResponse.FromString)
+    allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.one_of(st.binary(max_size=64), st.builds(
+        lambda text, mt, temp, top_p, top_k, n: pb.GenerateRequest(
+            text=text, sampling=pb.SamplingParams(max_tokens=mt, temperature=temp, top_p=top_p, top_k=top_k, n=n)
+        ).SerializeToString(),
+        st.text(max_size=20), st.integers(-5, 300), st.floats(-1, 3, allow_nan=True), st.floats(-1, 2),
+        st.integers(-3, 5), st.integers(-1, 20))))
+    def one(raw: bytes) -> None:
+        try:
+            for _ in raw_call(raw, timeout=60):
+                pass
+        except grpc.RpcError as e:
+            assert e.code() in allowed, (e.code(), e.details())
+
+    one()
+    channel.close()
 
 
 def test_sigterm_finishes_running_requests_then_exits_zero(server):

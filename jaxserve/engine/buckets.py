@@ -1,6 +1,6 @@
 """Shape buckets of the ahead-compiled step functions.
 
-A step is padded to a token bucket T (powers of two from 16 up to the token budget) and a
+A step is padded to a token bucket T (16, 32, 64, then steps of 64, a quarter of T past 256) and a
 page-table width P (powers of four pages up to the model length). The sequence capacity is tied to
 T, S = min(T, max_num_seqs), since a step can never hold more sequences than tokens: one bucket
 axis fewer to compile, at the price of sampling a few padding rows.
@@ -29,7 +29,14 @@ class Buckets:
 
     @classmethod
     def create(cls, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int) -> "Buckets":
-        tokens = _powers(16, 2, max_num_batched_tokens) if max_num_batched_tokens > 16 else [max_num_batched_tokens]
+        # Powers of two up to 64, then steps of 64 growing by a quarter past 256: a mixed step
+        # (decodes + a prompt chunk) pads by a small fraction instead of up to half its bucket.
+        tokens = _powers(16, 2, min(64, max_num_batched_tokens))
+        t = 64
+        while t < max_num_batched_tokens:
+            t = min(max_num_batched_tokens, t + max(64, (t // 4) // 64 * 64))
+            tokens.append(t)
+        tokens = sorted(set(tokens))
         pages = _powers(8, 4, max_pages_per_seq) if max_pages_per_seq > 8 else [max_pages_per_seq]
         return cls(tuple(tokens), tuple(pages), max_num_seqs)
 

@@ -7,6 +7,7 @@ LLM API drives it in a loop; the AsyncEngine drives it from its own thread.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass, field
@@ -121,6 +122,7 @@ class LLMEngine:
             self.runner.warmup(show_progress)
             log.info("compiled %d step buckets in %.1f s", len(self.buckets.all()), self.runner.compile_seconds)
         self._tracked: dict[str, _Tracked] = {}
+        self.step_timings: deque = deque(maxlen=4096)  # (seqs, tokens, host s, schedule+device s)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
@@ -168,10 +170,15 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        t1 = time.perf_counter()
         token_ids, logprobs = self.runner.execute(plan)
+        t2 = time.perf_counter()
+        # Host time (scheduling + input preparation) against the whole step, per batch size.
+        self.step_timings.append((len(plan.seqs), plan.num_tokens, t1 - t0, t2 - t0))
         now = time.monotonic()
         outputs = []
         for req, _ in self.scheduler.update(plan, token_ids, logprobs):

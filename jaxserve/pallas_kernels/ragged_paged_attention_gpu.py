@@ -163,17 +163,24 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention on GPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
 
     block_q: prefill query rows per program; block_kv: KV token slots per inner step (both powers
     of two, >= 16 for Triton's dot); split_tokens: context tokens per decode split (flash-decoding).
+    pages_per_block / num_splits: older spelling of the same knobs (override block_kv / split_tokens).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, two_kvh, _ = kv_pages.shape
     kv_heads = two_kvh // 2
     group = num_heads // kv_heads
     num_seqs_max, pages_per_seq = page_tables.shape
+    if pages_per_block is not None:
+        block_kv = max(16, _next_pow2(pages_per_block * page_size))
+    if num_splits is not None:
+        split_tokens = -(-(pages_per_seq * page_size) // max(1, num_splits))
     for name, v in (("block_q", block_q), ("block_kv", block_kv)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")

@@ -1,0 +1,215 @@
+"""Pallas ragged paged attention kernels (interpret mode on CPU) vs the XLA reference, and the
+reference vs dense float64 numpy attention.
+
+Bounds: f32 relative error (max |out - ref| / max |ref|) <= 1e-5. bf16 pools/queries: <= 3e-2, since
+the kernels feed bf16 q*scale and bf16 softmax probabilities to the MXU-style dots (f32 accumulate)
+while the reference upcasts everything to f32.
+Interpret mode is slow, so the cases are few and each covers many features at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.attention import ragged_paged_attention_xla
+from jaxserve.pallas_kernels import ragged_paged_attention_pallas
+from jaxserve.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+from jaxserve.pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+
+F32_TOL = 1e-5
+BF16_TOL = 3e-2
+
+
+@dataclass
+class Case:
+    name: str
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_size: int
+    kv_heads: int
+    group: int
+    head_dim: int
+    pad_seqs: int = 2        # extra sequence rows past num_seqs
+    pad_tokens: int = 5      # extra query rows past the last sequence
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    dtype: str = "float32"
+    garbage_ids: bool = False  # page-table entries past a sequence's end hold random page ids
+
+
+CASES = [
+    # decodes and prefill chunks with kv lengths 0 / 1 / page-1 / page / page+1 / long; GQA 4
+    Case("mixed_ps8_d64_g4", [1, 1, 5, 0, 1, 12, 1], [1, 7, 8, 0, 9, 40, 70], 8, 2, 4, 64),
+    # MQA (group 8), head_dim 128, sliding window + soft cap, prefill with prior context
+    Case("mqa_ps16_d128_swa_cap", [1, 20, 1, 3], [33, 45, 16, 17], 16, 1, 8, 128,
+         sliding_window=10, soft_cap=5.0, garbage_ids=True),
+    # MHA (group 1), big pages, a prefill spanning several q blocks
+    Case("mha_ps32_d64", [37, 1, 1], [100, 31, 33], 32, 4, 1, 64, pad_tokens=3),
+    # group 2, page 64, chunk longer than one KV block, window wider than one page
+    Case("g2_ps64_d128_swa", [1, 24, 1], [65, 90, 64], 64, 2, 2, 128, sliding_window=70, pad_seqs=1),
+]
+BF16_CASE = Case("bf16_ps16_d128_g2_cap", [1, 9, 1], [17, 40, 120], 16, 2, 2, 128, soft_cap=20.0, dtype="bfloat16")
+
+
+def make_inputs(case: Case, seed: int = 0, garbage_seed: int = 1):
+    """Pool with real data in shuffled pages (never page 0), random garbage everywhere else."""
+    rng = np.random.default_rng(seed)
+    ps, kvh, g, d = case.page_size, case.kv_heads, case.group, case.head_dim
+    n_real = len(case.q_lens)
+    num_seqs_max = n_real + case.pad_seqs
+    pages_needed = [-(-L // ps) for L in case.kv_lens]
+    max_pages = max(pages_needed) + 1  # a spare column past every sequence's end
+    num_pages = sum(pages_needed) + 4
+    perm = rng.permutation(np.arange(1, num_pages))
+    page_tables = np.zeros((num_seqs_max, max_pages), np.int32)
+    k = 0
+    for s, n in enumerate(pages_needed):
+        page_tables[s, :n] = perm[k:k + n]
+        k += n
+        if case.garbage_ids:
+            page_tables[s, n:] = rng.integers(0, num_pages, max_pages - n)
+    kv_lens = np.zeros(num_seqs_max, np.int32)
+    kv_lens[:n_real] = case.kv_lens
+    cu = np.zeros(num_seqs_max + 1, np.int32)
+    cu[1:n_real + 1] = np.cumsum(case.q_lens)
+    cu[n_real + 1:] = cu[n_real]
+    t = int(cu[-1]) + case.pad_tokens
+    dtype = jnp.dtype(case.dtype)
+    q = rng.standard_normal((t, kvh * g, d)).astype(np.float32)
+    real = rng.standard_normal((num_pages, ps, 2 * kvh, d)).astype(np.float32)
+    # Garbage (large, finite) in every slot no sequence owns: unused pages and page tails.
+    garbage = np.random.default_rng(garbage_seed).uniform(-300, 300, real.shape).astype(np.float32)
+    owned = np.zeros((num_pages, ps), bool)
+    for s in range(n_real):
+        for i in range(case.kv_lens[s]):
+            owned[page_tables[s, i // ps], i % ps] = True
+    pool = np.where(owned[:, :, None, None], real, garbage)
+    args = (jnp.asarray(q, dtype), jnp.asarray(pool, dtype), jnp.asarray(kv_lens), jnp.asarray(page_tables),
+            jnp.asarray(cu), jnp.asarray([n_real], jnp.int32))
+    kw = dict(sm_scale=d ** -0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    return args, kw
+
+
+def dense_attention_f64(args, kw) -> np.ndarray:
+    """Per-sequence dense causal attention in float64 from the gathered pages."""
+    q, pool, kv_lens, page_tables, cu, num_seqs = (np.asarray(a, np.float64) if i < 2 else np.asarray(a)
+                                                   for i, a in enumerate(args))
+    t, h, d = q.shape
+    _, ps, two_kvh, _ = pool.shape
+    kvh = two_kvh // 2
+    g = h // kvh
+    out = np.zeros_like(q)
+    for s in range(int(num_seqs[0])):
+        q_len, kv_len = cu[s + 1] - cu[s], kv_lens[s]
+        if q_len == 0:
+            continue
+        slots = [(page_tables[s, i // ps], i % ps) for i in range(kv_len)]
+        kv = np.stack([pool[p, o] for p, o in slots]) if slots else np.zeros((0, two_kvh, d))
+        k, v = kv[:, 0::2], kv[:, 1::2]  # [L, KVH, D]
+        qs = q[cu[s]:cu[s + 1]].reshape(q_len, kvh, g, d) * kw["sm_scale"]
+        sc = np.einsum("qkgd,lkd->qkgl", qs, k)
+        if kw["soft_cap"] is not None:
+            sc = kw["soft_cap"] * np.tanh(sc / kw["soft_cap"])
+        q_pos = kv_len - q_len + np.arange(q_len)
+        j = np.arange(kv_len)
+        mask = j[None, :] <= q_pos[:, None]
+        if kw["sliding_window"] is not None:
+            mask &= j[None, :] > q_pos[:, None] - kw["sliding_window"]
+        sc = np.where(mask[:, None, None, :], sc, -np.inf)
+        mx = sc.max(-1, keepdims=True)
+        p = np.exp(sc - np.where(np.isfinite(mx), mx, 0.0))
+        l = p.sum(-1, keepdims=True)
+        o = np.einsum("qkgl,lkd->qkgd", p, v) / np.where(l > 0, l, 1.0)
+        out[cu[s]:cu[s + 1]] = o.reshape(q_len, h, d)
+    return out
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def real_rows(args) -> int:
+    cu, num_seqs = np.asarray(args[4]), int(np.asarray(args[5])[0])
+    return int(cu[num_seqs])
+
+
+def tpu_interp(*a, **kw):
+    return ragged_paged_attention_tpu(*a, **kw, interpret=True, block_q=8, pages_per_block=2)
+
+
+def gpu_interp(*a, **kw):
+    return ragged_paged_attention_gpu(*a, **kw, interpret=True, block_q=16, block_kv=16, split_tokens=32)
+
+
+KERNELS = {"tpu": tpu_interp, "gpu": gpu_interp}
+
+
+@pytest.mark.parametrize("case", CASES + [BF16_CASE], ids=lambda c: c.name)
+def test_reference_vs_dense_f64(case: Case):
+    args, kw = make_inputs(case)
+    ref = ragged_paged_attention_xla(*args, **kw)
+    err = rel_err(ref, dense_attention_f64(args, kw))
+    assert err <= (F32_TOL if case.dtype == "float32" else 1e-2), err  # bf16: output rounding only
+    assert not np.asarray(ref[real_rows(args):], np.float32).any()
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS), ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_kernel_vs_reference_f32(kernel: str, case: Case):
+    args, kw = make_inputs(case)
+    out = np.asarray(KERNELS[kernel](*args, **kw))
+    ref = np.asarray(ragged_paged_attention_xla(*args, **kw))
+    err = rel_err(out, ref)
+    print(f"{kernel} {case.name}: rel err {err:.2e}")
+    assert err <= F32_TOL, err
+    assert not out[real_rows(args):].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS), ids=str)
+def test_kernel_vs_reference_bf16(kernel: str):
+    args, kw = make_inputs(BF16_CASE)
+    out = KERNELS[kernel](*args, **kw)
+    assert out.dtype == jnp.bfloat16
+    err = rel_err(out, ragged_paged_attention_xla(*args, **kw))
+    print(f"{kernel} bf16: rel err {err:.2e}")
+    assert err <= BF16_TOL, err
+    assert not np.asarray(out[real_rows(args):], np.float32).any()
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS), ids=str)
+def test_garbage_in_unused_slots_is_ignored(kernel: str):
+    case = CASES[1]  # garbage page ids past the end too
+    a1, kw = make_inputs(case, garbage_seed=1)
+    a2, _ = make_inputs(case, garbage_seed=2)
+    assert not np.array_equal(np.asarray(a1[1]), np.asarray(a2[1]))
+    np.testing.assert_array_equal(np.asarray(KERNELS[kernel](*a1, **kw)), np.asarray(KERNELS[kernel](*a2, **kw)))
+
+
+def test_dispatcher_under_jit_and_layer_scan():
+    """The engine's use: jit, lax.scan over layers, flat all-layer pool, page tables offset by layer."""
+    assert jax.default_backend() == "cpu"
+    case = CASES[0]
+    args, kw = make_inputs(case)
+    q, pool, kv_lens, pt, cu, ns = args
+    layers = 2
+    n = pool.shape[0]
+    flat = jnp.concatenate([pool, pool[..., ::-1]], axis=0)  # layer 1: same pages, other data
+
+    def run(fn):
+        @jax.jit
+        def go(q, flat, kv_lens, pt, cu, ns):
+            def layer(c, l):
+                return c, fn(q, flat, kv_lens, pt + l * n, cu, ns, **kw)
+            return jax.lax.scan(layer, 0, jnp.arange(layers))[1]
+        return go(q, flat, kv_lens, pt, cu, ns)
+
+    out = run(ragged_paged_attention_pallas)
+    ref = run(ragged_paged_attention_xla)
+    assert rel_err(out, ref) <= F32_TOL
+    assert rel_err(out[0], out[1]) > 1e-2  # the layers really read different pages
