@@ -131,6 +131,22 @@ def test_seed_n_and_logprobs(llm_default):
         assert all(v <= 0 for v in entry.values())
 
 
+def test_logprobs_match_reference_log_softmax(llm_default, hf_default_model):
+    import torch
+    from conftest import hf_logits
+
+    prompt = llm_default.get_tokenizer()("The weather today is").input_ids
+    out = llm_default.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    ids = list(prompt)
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        ref = torch.log_softmax(torch.tensor(hf_logits(hf_default_model, ids)[-1]), -1).numpy()
+        for t, lp in entry.items():
+            assert lp == pytest.approx(float(ref[t]), abs=2e-4)
+        assert set(entry) - {tok} <= set(np.argsort(-ref)[:5].tolist())
+        ids.append(tok)
+
+
 def test_top_k_one_is_greedy_and_penalties_change_output(llm_default):
     prompt = "List of fruits: apple, banana,"
     greedy = llm_default.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),

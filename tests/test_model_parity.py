@@ -57,6 +57,20 @@ def test_tiny_greedy_matches_hf_generate(arch, tiny_checkpoints):
         assert out.outputs[0].finish_reason == "length"
 
 
+def test_pallas_backend_through_the_engine_matches_hf(tiny_checkpoints):
+    """attention_backend="pallas" on CPU runs the Pallas kernel in interpret mode inside the engine."""
+    import transformers
+
+    from jaxserve import LLM
+
+    path = tiny_checkpoints["llama3"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    prompt = list(range(3, 23))
+    llm = LLM(model=str(path), attention_backend="pallas", **small_engine_options())
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
 def test_default_model_logits_match_hf(hf_default_model):
     tok = load_tokenizer(None)
     prompts = [tok(t).input_ids for t in ("The capital of France is",

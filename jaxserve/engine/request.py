@@ -38,7 +38,6 @@ class Request:
     first_token_time: float | None = None
     # Set by the scheduler while the request holds a locked radix-cache node.
     cache_node: object | None = None
-    prompt_cached: bool = False  # its computed prompt pages went into the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

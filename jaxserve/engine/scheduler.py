@@ -291,9 +291,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = s.start + s.num_tokens
-            if not req.prompt_cached and req.num_computed_tokens >= req.num_prompt_tokens:
-                # Share the prompt now (n > 1 siblings, identical prompts arriving meanwhile).
-                req.prompt_cached = True
+            if s.num_tokens > 1:
+                # Share each prefill chunk's full pages at once: requests with the same beginning
+                # (n > 1 siblings, a common system prompt) admitted next step reuse them.
                 self._cache_computed(req)
             if not s.sample:
                 continue
