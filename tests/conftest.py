@@ -38,6 +38,11 @@ def make_tiny_checkpoint(name: str, root: Path) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     path = root / name
     model.save_pretrained(path)
+    # The tiny models carry the default model's tokenizer (ids < 256 decode fine), as a served
+    # checkpoint directory would carry its own.
+    from jaxserve.loading import load_tokenizer
+
+    load_tokenizer(None).save_pretrained(path)
     return path
 
 

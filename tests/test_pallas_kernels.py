@@ -2,13 +2,18 @@
 reference vs dense float64 numpy attention.
 
 Bounds: f32 relative error (max |out - ref| / max |ref|) <= 1e-5. bf16 pools/queries: <= 3e-2, since
-the kernels feed bf16 q*scale and bf16 softmax probabilities to the MXU-style dots (f32 accumulate)
-while the reference upcasts everything to f32.
-Interpret mode is slow, so the cases are few and each covers many features at once.
+the kernels feed bf16 softmax probabilities (and the GPU kernels bf16 q*scale) to the MXU/tensor-core
+dots (f32 accumulate) while the reference upcasts everything to f32; measured ~3e-3 to 5e-3.
+Interpret mode is slow, so the cases are few and each covers many features at once; four seeded
+random batches add GQA ratios that are not powers of two and other mixes.
+The hardware-only code paths (the TPU kernel's strided K/V loads, Triton codegen) cannot run here;
+they are at least lowered for their platforms (Pallas -> Mosaic / Triton IR) in
+test_kernels_lower_for_their_hardware.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -56,7 +61,7 @@ CASES = [
 BF16_CASE = Case("bf16_ps16_d128_g2_cap", [1, 9, 1], [17, 40, 120], 16, 2, 2, 128, soft_cap=20.0, dtype="bfloat16")
 
 
-def make_inputs(case: Case, seed: int = 0, garbage_seed: int = 1):
+def make_inputs(case: Case, seed: int = 0, garbage_seed: int = 1, nan_garbage: bool = False):
     """Pool with real data in shuffled pages (never page 0), random garbage everywhere else."""
     rng = np.random.default_rng(seed)
     ps, kvh, g, d = case.page_size, case.kv_heads, case.group, case.head_dim
@@ -84,6 +89,9 @@ def make_inputs(case: Case, seed: int = 0, garbage_seed: int = 1):
     real = rng.standard_normal((num_pages, ps, 2 * kvh, d)).astype(np.float32)
     # Garbage (large, finite) in every slot no sequence owns: unused pages and page tails.
     garbage = np.random.default_rng(garbage_seed).uniform(-300, 300, real.shape).astype(np.float32)
+    if nan_garbage:
+        garbage[..., ::2] = np.nan  # NaN and inf: 0 * garbage must never reach a sum
+        garbage[..., 1::2] = np.inf
     owned = np.zeros((num_pages, ps), bool)
     for s in range(n_real):
         for i in range(case.kv_lens[s]):
@@ -189,6 +197,82 @@ def test_garbage_in_unused_slots_is_ignored(kernel: str):
     a2, _ = make_inputs(case, garbage_seed=2)
     assert not np.array_equal(np.asarray(a1[1]), np.asarray(a2[1]))
     np.testing.assert_array_equal(np.asarray(KERNELS[kernel](*a1, **kw)), np.asarray(KERNELS[kernel](*a2, **kw)))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS), ids=str)
+def test_nonfinite_garbage_in_unused_slots_is_ignored(kernel: str):
+    """NaN/inf in page tails, unused pages and the null page: same output as finite garbage."""
+    case = CASES[0]
+    a1, kw = make_inputs(case)
+    a2, _ = make_inputs(case, nan_garbage=True)
+    assert np.isnan(np.asarray(a2[1])).any()
+    out = np.asarray(KERNELS[kernel](*a2, **kw))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out, np.asarray(KERNELS[kernel](*a1, **kw)))
+
+
+def random_case(seed: int) -> Case:
+    """A random small batch: decodes, prefill chunks with and without prior context, empty rows,
+    any GQA ratio 1..8, page size 8..64, optional window / soft cap / garbage page ids."""
+    rng = np.random.default_rng(1000 + seed)
+    page_size = int(rng.choice([8, 16, 32, 64]))
+    n = int(rng.integers(2, 7))
+    q_lens = [int(rng.choice([0, 1, 1, 1, 2, 7, 17])) for _ in range(n)]
+    priors = [int(rng.choice([0, 1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5])) for _ in range(n)]
+    kv_lens = [q + p if q else int(rng.choice([0, p])) for q, p in zip(q_lens, priors)]
+    if not any(q_lens):
+        q_lens[0], kv_lens[0] = 1, 1
+    return Case(f"random{seed}", q_lens, kv_lens, page_size, kv_heads=int(rng.choice([1, 2, 4])),
+                group=int(rng.integers(1, 9)), head_dim=int(rng.choice([64, 128])),
+                pad_seqs=int(rng.integers(0, 3)), pad_tokens=int(rng.integers(0, 10)),
+                sliding_window=[None, None, 1, 9, 40][int(rng.integers(5))],
+                soft_cap=[None, 10.0][int(rng.integers(2))], garbage_ids=bool(rng.integers(2)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes_kernels_vs_reference(seed: int):
+    case = random_case(seed)
+    args, kw = make_inputs(case, seed=seed)
+    ref = np.asarray(ragged_paged_attention_xla(*args, **kw))
+    assert rel_err(ref, dense_attention_f64(args, kw)) <= F32_TOL
+    for name, fn in KERNELS.items():
+        out = np.asarray(fn(*args, **kw))
+        err = rel_err(out, ref)
+        print(f"{name} {case}: rel err {err:.2e}")
+        assert err <= F32_TOL, (name, case, err)
+        assert not out[real_rows(args):].any(), name
+
+
+def _lower_for(fn, platform: str, args, kw) -> str:
+    return jax.jit(functools.partial(fn, **kw)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+LOWER_SHAPES = [  # (kv_heads, group, head_dim, page_size, dtype): Llama-8B-like bf16, MQA f32 d64
+    (8, 4, 128, 16, jnp.bfloat16),
+    (1, 8, 64, 32, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("shape", LOWER_SHAPES, ids=lambda s: f"kvh{s[0]}_g{s[1]}_d{s[2]}_{jnp.dtype(s[4]).name}")
+def test_kernels_lower_for_their_hardware(shape, monkeypatch):
+    """Pallas lowering (no device needed) of the real TPU path (strided K/V loads, bf16 word
+    split) and of the Triton kernels, on a big flat pool. Catches unsupported primitives and
+    shapes; Mosaic's and Triton's own compilers still only run on the devices."""
+    kvh, g, d, ps, dtype = shape
+    sds = jax.ShapeDtypeStruct
+    seqs, width, tokens = 32, 64, 64
+    args = (sds((tokens, kvh * g, d), dtype), sds((30 * 2000, ps, 2 * kvh, d), dtype), sds((seqs,), jnp.int32),
+            sds((seqs, width), jnp.int32), sds((seqs + 1,), jnp.int32), sds((1,), jnp.int32))
+    kw = dict(sm_scale=d ** -0.5, sliding_window=128, soft_cap=30.0)
+    assert "jaxserve_rpa_decode" in _lower_for(ragged_paged_attention_gpu, "cuda", args, kw)
+    try:  # Mosaic lowering asks the default device for its TPU generation: pretend a v5e.
+        from jax._src.pallas.mosaic import tpu_info
+        monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+        monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    except (ImportError, AttributeError):
+        pytest.skip("this jax has no tpu_info hook to lower for TPU off-device")
+    text = _lower_for(functools.partial(ragged_paged_attention_tpu, kv_split="strided"), "tpu", args, kw)
+    assert "tpu_custom_call" in text
 
 
 def test_dispatcher_under_jit_and_layer_scan():

@@ -3,9 +3,10 @@
 tpu -> our Mosaic TPU kernel; gpu -> our Triton kernels (split-K decode + query-block prefill);
 cpu -> the GPU kernels with ``interpret=True``. On CPU the Triton-style kernels are interpreted by
 discharging them into ordinary XLA ops (a loop over the grid), which jit-compiles and runs inside
-the model's lax.scan at reasonable speed. The TPU interpreter instead simulates every DMA and
-semaphore through host callbacks: far slower, so it is only used by the tests
-(``ragged_paged_attention_tpu(..., interpret=True)``).
+the model's lax.scan at reasonable speed (measured here: ~8 ms for a 12-decode + 40-token-prefill
+step, 2 KV heads x group 4, d=128, vs ~47 ms for the XLA reference). The TPU interpreter instead
+simulates every DMA and semaphore through host callbacks (~3.7 s for the same step), so it is
+only used by the tests (``ragged_paged_attention_tpu(..., interpret=True)``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def ragged_paged_attention_pallas(
 ) -> jax.Array:
     """Ragged paged attention through Pallas. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
 
-    Block sizes are optional: TPU uses block_q and pages_per_block, GPU/CPU use block_q, block_kv
-    (KV token slots per step; defaults to pages_per_block * page_size if only that is given) and
-    split_tokens (decode split length).
+    Block sizes are optional: TPU uses block_q (query tokens per grid step) and pages_per_block;
+    GPU/CPU use block_q (prefill query rows = tokens x heads of one GQA group, per program),
+    block_kv (KV token slots per step; defaults to pages_per_block * page_size if only that is
+    given) and split_tokens (decode split length; by default chosen to fill the GPU).
     """
     args = (q, kv_pages, kv_lens, page_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -53,9 +55,9 @@ def ragged_paged_attention_pallas(
     if split_tokens is not None:
         gpu_kw["split_tokens"] = split_tokens
     if platform == "cpu":
-        # Small blocks: interpreted, a block costs its full size whatever the lengths.
-        gpu_kw.setdefault("block_q", 16)
-        gpu_kw.setdefault("block_kv", 32)
+        # Interpreted, a block costs its full size whatever the lengths; 64 x 64 measured best.
+        gpu_kw.setdefault("block_q", 64)
+        gpu_kw.setdefault("block_kv", 64)
         gpu_kw.setdefault("split_tokens", 1 << 30)  # one split: no parallelism to gain on CPU
     return ragged_paged_attention_gpu(*args, **kw, **gpu_kw, interpret=platform != "gpu")
 

@@ -8,9 +8,11 @@ device); each skips the sequences the other one owns:
     a program runs an online softmax over its split of the context for all query heads of its KV
     head (the GQA group, padded to 16 rows for Triton's dot) and writes an unnormalised partial
     (acc, l, m); the splits are combined in XLA afterwards.
-  * prefill (sequences with several query rows): grid = (q_head, T / block_q) over the flat query
-    rows. A q block loops over the (precomputed) sequences that its rows intersect and keeps one
-    per-row online softmax; rows of other sequences are masked to -inf and stay untouched.
+  * prefill (sequences with several query rows): queries are regrouped to [kv_heads, T * group, D]
+    (row t*group + g = query head kvh*group + g of token t), grid = (kv_head, rows / block_q). A
+    block of rows shares one KV head, so each K/V block read serves the whole GQA group; it loops
+    over the (precomputed) sequences whose tokens it holds and keeps one per-row online softmax;
+    rows of other sequences are masked to -inf and stay untouched.
 
 KV is read in blocks of ``block_kv`` token slots: each slot's page comes from the page table by
 a vector gather, so the block size is independent of the page size. The pool is passed whole
@@ -25,8 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas_kernels.ragged_paged_attention_tpu import q_block_seq_ranges
-
 try:  # the Triton namespace and its params class were renamed across jax releases
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -38,6 +38,17 @@ if plgpu is not None:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+# Streaming multiprocessors by device kind: flash-decoding splits only until the grid fills the GPU.
+_SM_COUNTS = [("H200", 132), ("H100", 132), ("H800", 132), ("A100", 108), ("L40", 142), ("L4", 58)]
+_DEFAULT_SMS = 132
+_PROGRAMS_PER_SM = 4  # a few resident programs per SM hide memory latency
+
+
+def _sm_count() -> int:
+    kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
+    return next((n for k, n in _SM_COUNTS if k.lower() in kind.lower()), _DEFAULT_SMS)
 
 
 def _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv: int, page_size: int, pages_per_seq: int):
@@ -106,35 +117,35 @@ def _decode_kernel(kv_lens_ref, cu_ref, ns_ref, pt_ref, q_ref, kv_ref, o_ref, l_
 
 def _prefill_kernel(kv_lens_ref, cu_ref, ns_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_ref, kv_ref, o_ref, *,
                     sm_scale, sliding_window, soft_cap, block_kv, page_size, pages_per_seq, group, precision):
-    head, qb = pl.program_id(0), pl.program_id(1)
-    kvh = head // group
-    q = q_ref[...]
+    kvh, qb = pl.program_id(0), pl.program_id(1)
+    q = q_ref[...]  # [block_q, D]: rows r0.. of this KV head's [T * group] query rows
     bq, d = q.shape
     q = (q.astype(jnp.float32) * sm_scale).astype(kv_ref.dtype)
     r0 = qb * bq
-    rows = r0 + jnp.arange(bq, dtype=jnp.int32)
+    tok = (r0 + jnp.arange(bq, dtype=jnp.int32)) // group  # token of each row
+    tok_first, tok_last = r0 // group, (r0 + bq - 1) // group
 
     def seq_body(seq, carry):
         kv_len = kv_lens_ref[seq]
         q_start, q_end = cu_ref[seq], cu_ref[seq + 1]
         q_len = q_end - q_start
-        a, b = jnp.maximum(q_start, r0), jnp.minimum(q_end, r0 + bq)
+        a, b = jnp.maximum(q_start, tok_first), jnp.minimum(q_end, tok_last + 1)  # its tokens here
         first_pos = kv_len - q_len + (a - q_start)
         hi = jnp.minimum(kv_len - q_len + (b - q_start), kv_len)
         lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
         live = (a < b) & (q_len > 1) & (hi > lo)  # 1-row sequences belong to the decode kernel
         blk_lo = lo // block_kv
         blk_hi = jnp.where(live, (hi + block_kv - 1) // block_kv, blk_lo)
-        in_seq = (rows >= a) & (rows < b)
-        q_pos = kv_len - q_len + (rows - q_start)
+        in_seq = (tok >= a) & (tok < b)
+        q_pos = kv_len - q_len + (tok - q_start)
 
         def kv_body(j, carry):
             m, l, acc = carry
-            k, v, tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq)
+            k, v, kv_tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq)
             s = _scores(q, k, soft_cap, precision)
-            ok = in_seq[:, None] & (tok[None, :] < kv_len) & (tok[None, :] <= q_pos[:, None])
+            ok = in_seq[:, None] & (kv_tok[None, :] < kv_len) & (kv_tok[None, :] <= q_pos[:, None])
             if sliding_window is not None:
-                ok = ok & (tok[None, :] > q_pos[:, None] - sliding_window)
+                ok = ok & (kv_tok[None, :] > q_pos[:, None] - sliding_window)
             s = jnp.where(ok, s, -jnp.inf)
             return _online_update(s, v, m, l, acc, precision)
 
@@ -144,6 +155,17 @@ def _prefill_kernel(kv_lens_ref, cu_ref, ns_ref, seq_lo_ref, seq_hi_ref, pt_ref,
     seq_hi = jnp.minimum(seq_hi_ref[qb], ns_ref[0])
     m, l, acc = jax.lax.fori_loop(seq_lo_ref[qb], seq_hi, seq_body, init)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _row_block_seq_ranges(cu_q_lens: jax.Array, num_blocks: int, block_rows: int,
+                          group: int) -> tuple[jax.Array, jax.Array]:
+    """[lo, hi) of the sequences owning the tokens of each block of ``block_rows`` grouped rows."""
+    ends = cu_q_lens[1:]
+    r0 = jnp.arange(num_blocks, dtype=jnp.int32) * block_rows
+    lo = jnp.searchsorted(ends, r0 // group, side="right").astype(jnp.int32)
+    hi = jnp.searchsorted(ends, (r0 + block_rows - 1) // group, side="right").astype(jnp.int32) + 1
+    n = ends.shape[0]
+    return jnp.minimum(lo, n), jnp.minimum(hi, n)
 
 
 def ragged_paged_attention_gpu(
@@ -159,7 +181,7 @@ def ragged_paged_attention_gpu(
     soft_cap: float | None = None,
     block_q: int = 32,
     block_kv: int = 64,
-    split_tokens: int = 512,
+    split_tokens: int | None = None,
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -168,9 +190,12 @@ def ragged_paged_attention_gpu(
 ) -> jax.Array:
     """Ragged paged attention on GPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
 
-    block_q: prefill query rows per program; block_kv: KV token slots per inner step (both powers
-    of two, >= 16 for Triton's dot); split_tokens: context tokens per decode split (flash-decoding).
-    pages_per_block / num_splits: older spelling of the same knobs (override block_kv / split_tokens).
+    block_q: prefill query rows (token x head of one GQA group) per program; block_kv: KV token
+    slots per inner step (both powers of two, >= 16 for Triton's dot); split_tokens: context
+    tokens per decode split (flash-decoding). By default the split count is the smallest that
+    gives every SM a few decode programs (sequences x KV heads x splits), since each split costs
+    a partial (acc, l, m) round trip through HBM.
+    pages_per_block / num_splits: other spellings of the same knobs (override block_kv / split_tokens).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, two_kvh, _ = kv_pages.shape
@@ -179,20 +204,29 @@ def ragged_paged_attention_gpu(
     num_seqs_max, pages_per_seq = page_tables.shape
     if pages_per_block is not None:
         block_kv = max(16, _next_pow2(pages_per_block * page_size))
-    if num_splits is not None:
-        split_tokens = -(-(pages_per_seq * page_size) // max(1, num_splits))
     for name, v in (("block_q", block_q), ("block_kv", block_kv)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    ctx = -(-(pages_per_seq * page_size) // block_kv) * block_kv  # longest context, whole blocks
-    split_tokens = min(ctx, max(block_kv, -(-split_tokens // block_kv) * block_kv))
-    num_splits = max(1, -(-(pages_per_seq * page_size) // split_tokens))
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 for Triton, got {head_dim}")
+    max_ctx = pages_per_seq * page_size
+    ctx_blocks = -(-max_ctx // block_kv)
+    if num_splits is None and split_tokens is None:
+        programs = num_seqs_max * kv_heads
+        # Interpreted, programs run one after another: two splits still exercise the merge.
+        num_splits = 2 if interpret else max(1, -(-_PROGRAMS_PER_SM * _sm_count() // programs))
+    if num_splits is not None:
+        split_tokens = -(-max_ctx // max(1, num_splits))
+    # Whole KV blocks per split; recount the splits from the rounded length.
+    split_tokens = min(ctx_blocks, max(1, -(-split_tokens // block_kv))) * block_kv
+    num_splits = max(1, -(-max_ctx // split_tokens))
     g_pad = max(16, _next_pow2(group))
     precision = jax.lax.Precision.HIGHEST if kv_pages.dtype == jnp.float32 else None
     kv_lens = kv_lens.astype(jnp.int32)
     cu = cu_q_lens.astype(jnp.int32)
     ns = num_seqs.astype(jnp.int32).reshape(-1)[:1]
-    pt = page_tables.astype(jnp.int32)
+    # Clamp page ids so no table entry can address memory outside the pool.
+    pt = jnp.clip(page_tables.astype(jnp.int32), 0, kv_pages.shape[0] - 1)
     params = {}
     if not interpret and _CompilerParams is not None:
         params["compiler_params"] = _CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -228,26 +262,29 @@ def ragged_paged_attention_gpu(
     dec_out = (o * w[..., None]).sum(axis=1) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     dec_out = dec_out[:, :, :group].reshape(num_seqs_max, num_heads, head_dim)
 
-    # Prefill: flat query blocks, head-major so one program reads a [block_q, D] tile.
-    t_pad = -(-num_tokens // block_q) * block_q
-    nqb = t_pad // block_q
-    qt = jnp.pad(jnp.swapaxes(q, 0, 1), ((0, 0), (0, t_pad - num_tokens), (0, 0)))
-    seq_lo, seq_hi = q_block_seq_ranges(cu, nqb, block_q)
+    # Prefill: rows grouped by KV head, [KVH, T * group, D], so a K/V block serves a whole group.
+    rows = num_tokens * group
+    rows_pad = -(-rows // block_q) * block_q
+    nqb = rows_pad // block_q
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(kv_heads, rows, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, rows_pad - rows), (0, 0)))
+    seq_lo, seq_hi = _row_block_seq_ranges(cu, nqb, block_q, group)
     pre = functools.partial(_prefill_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                             block_kv=block_kv, page_size=page_size, pages_per_seq=pages_per_seq, group=group,
                             precision=precision)
     q_spec = pl.BlockSpec((None, block_q, head_dim), lambda h, i: (h, i, 0))
     out = pl.pallas_call(
         pre,
-        grid=(num_heads, nqb),
+        grid=(kv_heads, nqb),
         in_specs=[full, full, full, full, full, full, q_spec, full],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
         name="jaxserve_rpa_prefill",
         **params,
-    )(kv_lens, cu, ns, seq_lo, seq_hi, pt, qt, kv_pages)
-    out = jnp.swapaxes(out[:, :num_tokens], 0, 1)
+    )(kv_lens, cu, ns, seq_lo, seq_hi, pt, qg, kv_pages)
+    out = out[:, :rows].reshape(kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    out = out.reshape(num_tokens, num_heads, head_dim)
 
     # Put decode rows in place; other sequences' rows scatter out of range and are dropped.
     seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)

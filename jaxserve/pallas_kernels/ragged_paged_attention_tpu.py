@@ -131,12 +131,16 @@ def _kernel(
     group: int,
     max_seqs: int,
     pages_per_seq: int,
+    kv_split: str,
 ):
     kvh_blk, rows, head_dim = q_ref.shape
     _, pages_per_blk, page_size, combined_blk, _ = kv_buf.shape
     kv_per_blk = pages_per_blk * page_size
     tokens_per_blk = rows // group
-    head_blk = pl.program_id(0)
+    if combined_blk == kv_hbm_ref.shape[2]:
+        head_start = 0  # one head block: a static offset needs no alignment proof
+    else:  # a whole number of sublane tiles; Mosaic must be told so to accept the DMA slice
+        head_start = pl.multiple_of(pl.program_id(0) * combined_blk, combined_blk)
     q_blk = pl.program_id(1)
     tok_lo = q_blk * tokens_per_blk
     tok_hi = tok_lo + tokens_per_blk
@@ -182,7 +186,7 @@ def _kernel(
                       & (page_in_seq < pages_per_seq))
             table_idx = span["seq_c"] * pages_per_seq + jnp.minimum(page_in_seq, pages_per_seq - 1)
             page = page_tables_ref[table_idx]
-            src = kv_hbm_ref.at[page, :, pl.ds(head_blk * combined_blk, combined_blk), :]
+            src = kv_hbm_ref.at[page, :, pl.ds(head_start, combined_blk), :]
             copies.append((needed, pltpu.make_async_copy(src, kv_buf.at[slot, i], sems.at[slot])))
         return copies
 
@@ -195,7 +199,15 @@ def _kernel(
             pl.when(needed)(copy.wait)
 
     def load_kv(slot, h):
-        """K and V of kv head h of the KV block in buffer `slot`, each [kv_per_blk, D] f32 or bf16."""
+        """K and V of kv head h of the KV block in buffer `slot`, each [kv_per_blk, D]."""
+        if kv_split == "indexed":
+            # Plain indexing on the combined-head axis: what the TPU interpreter supports (it has
+            # no ref reshape/bitcast), and a fallback for Mosaic versions that reject the below.
+            k = kv_buf[slot, :, :, 2 * h, :].reshape(kv_per_blk, head_dim)
+            v = kv_buf[slot, :, :, 2 * h + 1, :].reshape(kv_per_blk, head_dim)
+            return k, v
+        # View the buffer as rows [kv_per_blk * combined_blk, D] (free: the combined-head axis
+        # fills whole sublane tiles) and pick K/V rows with sublane-strided loads.
         flat = kv_buf.at[slot].reshape(kv_per_blk * combined_blk, head_dim)
         if not packed:
             k = flat[pl.ds(2 * h, kv_per_blk, stride=combined_blk), :]
@@ -312,7 +324,7 @@ def q_block_seq_ranges(cu_q_lens: jax.Array, num_q_blocks: int, block_q: int) ->
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
-                     "pages_per_block", "vmem_limit_bytes", "interpret"),
+                     "pages_per_block", "vmem_limit_bytes", "kv_split", "interpret"),
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,
@@ -328,12 +340,16 @@ def ragged_paged_attention_tpu(
     block_q: int | None = None,
     pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    kv_split: str | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """Ragged paged attention on TPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
 
     block_q: query tokens per grid step (rounded up to the sublane tile).
     pages_per_block: pages per KV block (one DMA each, double-buffered).
+    kv_split: how K/V rows are picked out of a DMA'd block of combined heads: "strided"
+      (sublane-strided loads, the default on TPU) or "indexed" (plain indexing; the only one the
+      TPU interpreter runs, so the default in interpret mode).
     interpret: True or a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -345,6 +361,9 @@ def ragged_paged_attention_tpu(
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     group = num_heads // kv_heads
+    kv_split = kv_split or ("indexed" if interpret else "strided")
+    if kv_split not in ("strided", "indexed"):
+        raise ValueError(f"kv_split must be 'strided' or 'indexed', got {kv_split!r}")
 
     default_q, default_pages = default_block_sizes(page_size, bool(interpret))
     q_per_blk = block_q or default_q
@@ -375,7 +394,7 @@ def ragged_paged_attention_tpu(
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap), group=group, max_seqs=max_seqs,
-        pages_per_seq=pages_per_seq)
+        pages_per_seq=pages_per_seq, kv_split=kv_split)
     if interpret is True:
         interpret = pltpu.InterpretParams()
     out = pl.pallas_call(

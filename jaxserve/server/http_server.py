@@ -33,15 +33,17 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         if api_key is not None and request.url.path.startswith("/v1/"):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return error(401, "missing or wrong API key", "authentication_error")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_request_bytes:
-            return error(400, f"request body is {size} bytes, the limit is {max_request_bytes}")
         return await call_next(request)
 
     async def body_of(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > max_request_bytes:
-            raise InvalidRequest(f"request body is {len(raw)} bytes, the limit is {max_request_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # read on past the limit without keeping it, so the
+            size += len(chunk)                 # client gets our 400 rather than a reset connection
+            if size <= max_request_bytes:
+                chunks.append(chunk)
+        if size > max_request_bytes:
+            raise InvalidRequest(f"request body is {size} bytes, the limit is {max_request_bytes}")
+        raw = b"".join(chunks)
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
