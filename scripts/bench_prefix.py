@@ -50,6 +50,10 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
                 outputs=[outs[r.request_id].outputs[0].token_ids for r in reqs])
 
 
+def unrelated_prompts(rng, count: int, length: int) -> list[list[int]]:
+    return [random_ids(rng, length) for _ in range(count)]
+
+
 def shared_prefix(rng, groups, per_group, system_len, question_len):
     return [s + random_ids(rng, question_len) for s in (random_ids(rng, system_len) for _ in range(groups))
             for _ in range(per_group)]
@@ -84,6 +88,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-len", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workloads", type=lambda s: s.split(","),
+                    default=["shared_system_prompt", "multi_turn_chat", "no_shared_prefix"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -100,11 +106,13 @@ def main() -> None:
                                                                              args.question_len), args.output_len),
             "multi_turn_chat": lambda: run_chat(engine, np.random.default_rng(args.seed + 1), args.conversations,
                                                 args.turns, args.turn_len, args.output_len),
-            "no_shared_prefix": lambda: run_batch(engine, [random_ids(np.random.default_rng(args.seed + 2), 400)
-                                                           for _ in range(args.groups * args.per_group)],
+            "no_shared_prefix": lambda: run_batch(engine, unrelated_prompts(np.random.default_rng(args.seed + 2),
+                                                                            args.groups * args.per_group, 400),
                                                   args.output_len),
         }
         for name, fn in work.items():
+            if name not in args.workloads:
+                continue
             if engine.prefix_cache is not None:
                 engine.prefix_cache.reset()  # each workload starts cold
             results.setdefault(name, {})[label] = fn()
@@ -115,7 +123,7 @@ def main() -> None:
         del engine
     print(f"\n{'workload':22s} {'tok/s off':>9s} {'tok/s on':>9s} {'speed-up':>8s} {'TTFT off':>9s} {'TTFT on':>8s} "
           f"{'hit rate':>8s} identical")
-    for name in ("shared_system_prompt", "multi_turn_chat", "no_shared_prefix"):
+    for name in args.workloads:
         off, on = results[name]["off"], results[name]["on"]
         results[name]["speedup"] = on["tok_per_s"] / off["tok_per_s"]
         results[name]["hit_rate"] = on["cached_prompt_tokens"] / on["prompt_tokens"]

@@ -298,3 +298,52 @@ def test_sigterm_finishes_running_requests_then_exits_zero(server):
     assert rest[-1].finish_reason == "length"
     assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 30
     assert server["proc"].wait(timeout=60) == 0
+
+
+def test_api_key_and_tls(tmp_path):
+    """A second server with --api-key and gRPC TLS (a self-signed certificate made here)."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed to make the test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    grpc_port, http_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--grpc-port", str(grpc_port), "--http-port",
+                             str(http_port), "--api-key", "s3cret", "--tls-cert", str(cert), "--tls-key", str(key),
+                             "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "128",
+                             "--num-pages", "32", "--compilation-cache-dir", str(tmp_path / "xla")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.time() + 300
+        while not (_up(http_port) and http("GET", base + "/health")[0] == 200):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "server did not become healthy"
+            time.sleep(0.5)
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        assert http("POST", base + "/v1/completions", body)[0] == 401
+        assert http("POST", base + "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
+        assert http("POST", base + "/v1/completions", body, {"Authorization": "Bearer s3cret"})[0] == 200
+        root = cert.read_bytes()
+        options = (("grpc.ssl_target_name_override", "localhost"),)
+        channel = grpc.secure_channel(f"127.0.0.1:{grpc_port}", grpc.ssl_channel_credentials(root), options)
+        call = channel.unary_stream("/jaxserve.v1.Generation/Generate",
+                                    request_serializer=pb.GenerateRequest.SerializeToString,
+                                    response_deserializer=pb.GenerateResponse.FromString)
+        req = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=2))
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(req, timeout=60))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        msgs = list(call(req, timeout=60, metadata=[("authorization", "Bearer s3cret")]))
+        assert msgs[-1].finish_reason == "length"
+        channel.close()
+    finally:
+        proc.kill()
+
+
+def _up(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
