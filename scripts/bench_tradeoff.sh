@@ -14,6 +14,7 @@ for setting in "4 64" "16 256" "64 512"; do
   $PY -m jaxserve.serve --http-port 8077 --grpc-port 50077 --max-num-seqs "$seqs" \
       --max-num-batched-tokens "$tokens" --max-model-len 1024 --log-level warning &
   pid=$!
+  trap 'kill "$pid" 2>/dev/null || true' EXIT  # never leave a server behind if a run fails
   for _ in $(seq 300); do curl -sf http://127.0.0.1:8077/health >/dev/null && break; sleep 1; done
   $PY scripts/benchmark.py --backend openai --base-url http://127.0.0.1:8077 --workload random \
       --num-prompts 48 --input-len 32-128 --output-len 16-64 --max-concurrency 4,16,48 \
