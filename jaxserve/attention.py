@@ -61,6 +61,20 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     return jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right")
 
 
+def row_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int) -> tuple:
+    """Per flat query row: (sequence, sequence clamped to a valid row, real row?, the sequence's
+    query length, its KV length, the row's KV position). Row i of a sequence sits at KV position
+    kv_len - q_len + i; padding rows get kv_len 0."""
+    seq = token_sequence_ids(cu_q_lens, num_tokens)
+    valid = seq < num_seqs[0]
+    seq_c = jnp.minimum(seq, kv_lens.shape[0] - 1)
+    q_start = cu_q_lens[seq_c]
+    q_len = cu_q_lens[seq_c + 1] - q_start
+    kv_len = jnp.where(valid, kv_lens[seq_c], 0)
+    q_pos = kv_len - q_len + (jnp.arange(num_tokens, dtype=jnp.int32) - q_start)
+    return seq, seq_c, valid, q_len, kv_len, q_pos
+
+
 def ragged_paged_attention_xla(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -90,14 +104,7 @@ def ragged_paged_attention_xla(
         page_tables = jnp.pad(page_tables, ((0, 0), (0, pb - max_pages % pb)))
     block = pb * page_size
 
-    seq = token_sequence_ids(cu_q_lens, num_tokens)
-    valid_row = seq < num_seqs[0]
-    seq_c = jnp.minimum(seq, page_tables.shape[0] - 1)
-    q_start = cu_q_lens[seq_c]
-    q_len = cu_q_lens[seq_c + 1] - q_start
-    kv_len = jnp.where(valid_row, kv_lens[seq_c], 0)
-    # Query row i of a sequence sits at KV position kv_len - q_len + i.
-    q_pos = kv_len - q_len + (jnp.arange(num_tokens, dtype=jnp.int32) - q_start)
+    seq, seq_c, valid_row, q_len, kv_len, q_pos = row_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
     token_pages = page_tables[seq_c]  # [T, P]
     qf = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim) * sm_scale
     lo = jnp.zeros_like(q_pos) if sliding_window is None else q_pos - sliding_window + 1
@@ -175,13 +182,7 @@ def ragged_paged_attention_split(
         page_tables = jnp.pad(page_tables, ((0, 0), (0, pb - max_pages % pb)))
     block = pb * page_size
 
-    seq = token_sequence_ids(cu_q_lens, num_tokens)
-    valid = seq < num_seqs[0]
-    seq_c = jnp.minimum(seq, page_tables.shape[0] - 1)
-    q_start = cu_q_lens[seq_c]
-    q_len = cu_q_lens[seq_c + 1] - q_start
-    kv_len = jnp.where(valid, kv_lens[seq_c], 0)
-    q_pos = kv_len - q_len + (jnp.arange(num_tokens, dtype=jnp.int32) - q_start)
+    seq, seq_c, valid, q_len, kv_len, q_pos = row_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
     prefix = jnp.where(valid, kv_len - q_len, 0)  # context already in pages before this step
     lo = jnp.zeros_like(q_pos) if sliding_window is None else q_pos - sliding_window + 1
     qf = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim) * sm_scale
