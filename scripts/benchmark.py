@@ -6,9 +6,9 @@
 Workloads (seeded, so runs compare): random (input/output lengths in ranges), sharegpt (a synthetic
 conversation-like length mix), shared-prefix (groups x prompts with a common system prompt, as
 SGLang's generated-shared-prefix), multi-turn (each turn resends the history). Arrivals: all at once
-(--request-rate inf), Poisson at a rate, or a fixed --max-concurrency; comma lists sweep. Prints
-vLLM-style metrics per point, goodput against --slo-ttft/--slo-tpot, JSON, and a throughput-latency
-plot with one curve per --label.
+(--request-rate inf) or Poisson at a rate, optionally capped by --max-concurrency; comma lists
+sweep (every rate with every concurrency). Prints vLLM-style metrics per point, goodput against
+--slo-ttft/--slo-tpot, JSON, and a throughput-latency plot with one curve per --label.
 """
 
 from __future__ import annotations
@@ -71,11 +71,16 @@ def make_workload(args) -> list[Req]:
     raise SystemExit(f"unknown workload {args.workload}")
 
 
+def finished(reason: str | None) -> tuple[bool, str]:
+    """A request counts as successful only if the stream ended with stop or length (not abort, not cut)."""
+    return (True, "") if reason in ("stop", "length") else (False, f"stream ended with finish_reason {reason!r}")
+
+
 async def call_openai(client, args, prompt: str, max_tokens: int) -> tuple[Result, str]:
     body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     res, text, start = Result(ok=False), [], time.perf_counter()
-    last = start
+    last, finish = start, None
     try:
         async with client.stream("POST", args.base_url + "/v1/completions", json=body, timeout=600) as r:
             if r.status_code != 200:
@@ -89,6 +94,7 @@ async def call_openai(client, args, prompt: str, max_tokens: int) -> tuple[Resul
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_len = chunk["usage"]["prompt_tokens"]
                 for ch in chunk.get("choices", []):
+                    finish = ch.get("finish_reason") or finish
                     if ch.get("text"):
                         now = time.perf_counter()
                         if not text:
@@ -97,17 +103,21 @@ async def call_openai(client, args, prompt: str, max_tokens: int) -> tuple[Resul
                             res.itl.append(now - last)
                         last = now
                         text.append(ch["text"])
-        res.latency, res.ok = time.perf_counter() - start, True
+        res.latency = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or len(text)  # a server that sends no usage: count chunks
+        res.ok, res.error = finished(finish)
     except Exception as exc:  # noqa: BLE001 - a failed request is a data point
         res.error = repr(exc)
     return res, "".join(text)
 
 
 async def call_grpc(stub, args, prompt: str, max_tokens: int) -> tuple[Result, str]:
+    import grpc
+
     from jaxserve.proto import jaxserve_pb2 as pb
 
     res, text, start = Result(ok=False), [], time.perf_counter()
-    last = start
+    last, finish = start, None
     req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                       ignore_eos=True))
     try:
@@ -122,10 +132,11 @@ async def call_grpc(stub, args, prompt: str, max_tokens: int) -> tuple[Result, s
                 res.output_tokens += len(msg.token_ids)
             text.append(msg.text)
             if msg.finish_reason:
-                res.prompt_len = msg.usage.prompt_tokens
-        res.latency, res.ok = time.perf_counter() - start, True
+                finish, res.prompt_len = msg.finish_reason, msg.usage.prompt_tokens
+        res.latency = time.perf_counter() - start
+        res.ok, res.error = finished(finish)
     except Exception as exc:  # noqa: BLE001
-        res.error = repr(exc)
+        res.error = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
     return res, "".join(text)
 
 
@@ -164,19 +175,22 @@ async def run_point(args, reqs: list[Req], rate: float, concurrency: int | None)
             bar.update()
             return
         history = r.prompt
-        turn_rng = random.Random(args.seed + r.conversation)
-        for _ in range(args.turns):
+        turn_rng = random.Random(f"{args.seed}-turns-{r.conversation}")  # not the workload's own stream
+        for turn in range(args.turns):
             res, answer = await go(history)
             results.append(res)
             bar.update()
+            if not res.ok:  # the rest of this conversation would resend a broken history
+                bar.update(args.turns - turn - 1)
+                break
             history += answer + " User: " + text_of(turn_rng, args.question_len)
 
     start = time.perf_counter()
     tasks = []
-    for r in reqs:
-        tasks.append(asyncio.ensure_future(one(r)))
-        if math.isfinite(rate):
+    for i, r in enumerate(reqs):
+        if i and math.isfinite(rate):  # Poisson arrivals: exponential gaps between requests
             await asyncio.sleep(rng.exponential(1.0 / rate))
+        tasks.append(asyncio.ensure_future(one(r)))
     await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     bar.close()
@@ -201,7 +215,8 @@ def summarize(results: list[Result], duration: float, args, rate, concurrency) -
         return {f"mean_{name}_ms": float(np.nanmean(a)), f"median_{name}_ms": float(np.nanmedian(a)),
                 f"p99_{name}_ms": float(np.nanpercentile(a, 99))}
 
-    return {"label": args.label, "request_rate": rate, "max_concurrency": concurrency,
+    return {"label": args.label, "backend": args.backend, "workload": args.workload,
+            "request_rate": rate, "max_concurrency": concurrency,
             "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
             "errors": sorted({r.error for r in results if not r.ok})[:5],
             "duration_s": duration, "request_throughput": len(ok) / duration,
@@ -212,7 +227,8 @@ def summarize(results: list[Result], duration: float, args, rate, concurrency) -
 
 
 def print_point(p: dict) -> None:
-    print(f"\n==== {p['label']}: request rate {p['request_rate']}, max concurrency {p['max_concurrency']} ====")
+    print(f"\n==== {p['label']} ({p['backend']}, {p['workload']}): request rate {p['request_rate']}, "
+          f"max concurrency {p['max_concurrency']} ====")
     for k in ("successful_requests", "failed_requests", "duration_s", "request_throughput", "output_throughput",
               "total_token_throughput", "goodput_req_s", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
               "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
@@ -244,6 +260,11 @@ def plot(points: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def int_range(s: str) -> list[int]:
+    lo, _, hi = s.partition("-")
+    return [int(lo), int(hi or lo)]
+
+
 def floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",")]
 
@@ -256,9 +277,9 @@ def main() -> None:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--workload", choices=["random", "sharegpt", "shared-prefix", "multi-turn"], default="random")
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=lambda s: [int(x) for x in s.split("-")], default=[32, 256],
-                    help="words, as MIN-MAX")
-    ap.add_argument("--output-len", type=lambda s: [int(x) for x in s.split("-")], default=[16, 128])
+    ap.add_argument("--input-len", type=int_range, default=[32, 256], help="words, as MIN-MAX or N")
+    ap.add_argument("--output-len", type=int_range, default=[16, 128],
+                    help="tokens, as MIN-MAX or N (shared-prefix, multi-turn: MAX; sharegpt: its own mix)")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--prompts-per-group", type=int, default=8)
     ap.add_argument("--system-len", type=int, default=400)
@@ -281,8 +302,7 @@ def main() -> None:
         return
     reqs = make_workload(args)
     points = []
-    sweep = [(r, None) for r in args.request_rate] if not args.max_concurrency else \
-        [(math.inf, c) for c in args.max_concurrency]
+    sweep = [(r, c) for r in args.request_rate for c in (args.max_concurrency or [None])]
     for rate, conc in sweep:
         p = asyncio.run(run_point(args, reqs, rate, conc))
         print_point(p)
