@@ -53,11 +53,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs', 'priority' or 'lpm', got {self.scheduling_policy!r}")
         if self.attention_backend not in ("auto", "xla", "pallas", "xla-reference"):
             raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {self.attention_backend!r}")
-        parts = str(self.mesh).lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-            raise ValueError(f"mesh must look like 'DxT' (data x model), got {self.mesh!r}")
-        if self.mesh != "1x1":
-            raise ValueError(f"mesh {self.mesh!r}: tensor and data parallelism are not implemented yet; only '1x1' runs")
+        from jaxserve.parallel import parse_mesh
+
+        data, model = parse_mesh(self.mesh)  # whether the devices can form it is checked at start-up
+        self.mesh = f"{data}x{model}"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
 

@@ -33,6 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--coordinator-address", default=None,
+                   help="multi-host: host:port of process 0 (else $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: process count (else $JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process (else $JAX_PROCESS_ID)")
     add_engine_args(p)
     return p.parse_args(argv)
 
@@ -76,7 +80,11 @@ async def serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     load = loop.run_in_executor(None, lambda: AsyncEngine(config))
     done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if load in done:
+    status = 0
+    if load in done and load.exception() is not None:
+        log.error("cannot start: %s", load.exception())
+        status = 2
+    elif load in done:
         engine = load.result()
         holder["engine"] = engine
         e = engine.engine
@@ -95,12 +103,32 @@ async def serve(args: argparse.Namespace) -> int:
     await grpc_server.stop(1.0)
     http.should_exit = True
     await http_task
+    return status
+
+
+def follow(args: argparse.Namespace) -> int:
+    """Processes other than 0 of a multi-host mesh: no API, run the leader's steps until it stops."""
+    from jaxserve import distributed
+    from jaxserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config_from_args(args), show_progress=False)
+    log.info("following process 0")
+    steps = distributed.follow(engine)
+    log.info("leader stopped after %d steps", steps)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import os
+
+    if args.coordinator_address or args.num_processes or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        from jaxserve import distributed
+
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if not distributed.is_leader():
+            return follow(args)
     return asyncio.run(serve(args))
 
 

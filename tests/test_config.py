@@ -30,7 +30,7 @@ def test_unknown_yaml_key_and_bad_values(tmp_path):
         EngineConfig.from_yaml(bad)
     for kwargs, field in [(dict(max_num_seqs=0), "max_num_seqs"), (dict(page_size=12), "page_size"),
                           (dict(num_pages=1), "num_pages"), (dict(scheduler="fifo"), "scheduler"),
-                          (dict(mesh="4"), "mesh"), (dict(mesh="1x4"), "mesh"), (dict(dtype="int4"), "dtype"),
+                          (dict(mesh="4"), "mesh"), (dict(mesh="0x2"), "mesh"), (dict(dtype="int4"), "dtype"),
                           (dict(attention_backend="cuda"), "attention_backend")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)

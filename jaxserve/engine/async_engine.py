@@ -92,6 +92,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.stop_followers()
 
     # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, request_id, sub_ids, prompt, params, priority, loop, queue) -> None:

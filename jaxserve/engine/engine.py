@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from jaxserve.cache.page_pool import PagePool
@@ -20,8 +21,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.runner import ModelRunner, enable_compilation_cache
+from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.models.llama import rope_inv_freq
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class _Tracked:
     request: Request
     prompt: str | None
     detok: IncrementalDetokenizer
+    replica: "Replica"
     emitted_chars: int = 0
     emitted_tokens: int = 0
     text: str = ""
@@ -78,49 +81,92 @@ def _encode_prompt(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int)
     return None, [int(t) for t in ids]
 
 
+@dataclass
+class Replica:
+    """One data-parallel replica: its devices' share of the model, page pool, cache and batch."""
+
+    index: int
+    pool: PagePool
+    prefix_cache: Any
+    scheduler: Scheduler
+    runner: ModelRunner
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
+        from jaxserve import parallel
         from jaxserve.loading import load_tokenizer, load_weights, resolve_dtype
         from jaxserve.models.llama import LlamaForCausalLM
 
         self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
+        self.mesh = parallel.make_mesh(config.mesh)
+        num_replicas, tp = parallel.parse_mesh(config.mesh)
         cfg, params = load_weights(config.model, config.dtype)
+        parallel.check_splittable(cfg, tp)
         self.model_config = cfg
         self.tokenizer = load_tokenizer(config.model)
-        model = LlamaForCausalLM(cfg, resolve_dtype(config.dtype))
-        model.load_params(params)
-        del params
+        dtype = resolve_dtype(config.dtype)
+        layout = parallel.head_layout(cfg, tp)
+        if not layout.is_identity:
+            log.info(parallel.describe_layout(cfg, layout, tp))
+        served_cfg, params = parallel.apply_head_layout(cfg, params, layout)
+        self.served_model_config = served_cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
-        dtype_bytes = np.dtype(resolve_dtype(config.dtype)).itemsize
-        bytes_per_page = cfg.kv_bytes_per_token // 4 * dtype_bytes * page_size
+        dtype_bytes = np.dtype(dtype).itemsize
+        # kv_cache_memory is per device: each device holds 1/tp of the (served) KV heads.
+        bytes_per_page = served_cfg.kv_bytes_per_token // 4 * dtype_bytes * page_size // tp
         num_pages = config.num_pages or max(2, int(config.kv_cache_memory * 2**30 // bytes_per_page))
-        self.num_pages = num_pages
+        self.num_pages = num_pages  # per replica
         max_pages_per_seq = -(-self.max_model_len // page_size)
         self.buckets = Buckets.create(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
-        self.pool = PagePool(num_pages, page_size)
-        self.prefix_cache = None
-        if config.enable_prefix_caching:
-            from jaxserve.cache.radix_cache import RadixCache
+        self.replicas: list[Replica] = []
+        for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
+            arrays = parallel.shard_params(params, mesh, dtype)  # each device gets only its slices
+            inv_freq = jax.device_put(rope_inv_freq(cfg), parallel.replicated(mesh))
+            model = LlamaForCausalLM.from_arrays(served_cfg, arrays, dtype, inv_freq)
+            pool = PagePool(num_pages, page_size)
+            prefix_cache = None
+            if config.enable_prefix_caching:
+                from jaxserve.cache.radix_cache import RadixCache
 
-            self.prefix_cache = RadixCache(self.pool)
-        self.scheduler = Scheduler(
-            self.pool, self.buckets, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
-            prefix_cache=self.prefix_cache, policy=config.scheduling_policy, static=config.scheduler == "static",
-        )
-        self.runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
-                                  config.attention_backend)
+                prefix_cache = RadixCache(pool)
+            scheduler = Scheduler(
+                pool, self.buckets, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
+                prefix_cache=prefix_cache, policy=config.scheduling_policy, static=config.scheduler == "static",
+            )
+            runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
+                                 config.attention_backend, mesh=mesh)
+            self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
+        del params
+        # Replica 0 under the single-replica names (what tests, metrics and scripts read).
+        first = self.replicas[0]
+        self.pool, self.prefix_cache, self.scheduler, self.runner = (first.pool, first.prefix_cache,
+                                                                     first.scheduler, first.runner)
         self.load_seconds = time.perf_counter() - t0
-        log.info("model %s (%s, %d layers), dtype %s, KV pool %d pages x %d tokens = %.2f GiB, buckets T=%s P=%s",
-                 config.model or "default SmolLM2-135M-Instruct", cfg.architecture, cfg.num_layers, config.dtype,
-                 num_pages, page_size, self.runner.kv_cache_bytes / 2**30, self.buckets.token_buckets,
-                 self.buckets.page_buckets)
+        log.info("model %s (%s, %d layers), dtype %s, mesh %s, KV pool %d pages x %d tokens = %.2f GiB per replica, "
+                 "buckets T=%s P=%s", config.model or "default SmolLM2-135M-Instruct", cfg.architecture,
+                 cfg.num_layers, config.dtype, config.mesh, num_pages, page_size,
+                 self.runner.kv_cache_bytes / 2**30, self.buckets.token_buckets, self.buckets.page_buckets)
         if config.compile_ahead:
-            self.runner.warmup(show_progress)
-            log.info("compiled %d step buckets in %.1f s", len(self.buckets.all()), self.runner.compile_seconds)
+            for replica in self.replicas:
+                replica.runner.warmup(show_progress)
+            for replica in self.replicas:  # the guard counts from the end of the whole warm-up
+                replica.runner.compiles_after_warmup_base = CompileCounter.count
+            log.info("compiled %d step buckets in %.1f s", len(self.buckets.all()),
+                     sum(r.runner.compile_seconds for r in self.replicas))
+        self.broadcaster = None
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            from jaxserve.distributed import StepBroadcaster
+
+            self.broadcaster = StepBroadcaster(len(self.replicas))
         self._tracked: dict[str, _Tracked] = {}
         self.step_timings: deque = deque(maxlen=4096)  # (seqs, tokens, host s, schedule+device s)
         self._rng = np.random.default_rng(config.seed)
@@ -148,40 +194,65 @@ class LLMEngine:
         if len(ids) + max_tokens > capacity:
             raise ValueError(f"request needs up to {len(ids) + max_tokens} tokens of KV cache, the page pool "
                              f"holds {capacity}; raise num_pages/kv_cache_memory or lower max_tokens")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if sum(len(r.scheduler.waiting) for r in self.replicas) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         seed = params.seed + seed_offset if params.seed is not None else int(self._rng.integers(2**31))
         req = Request(request_id, ids, params, max_tokens, seed, self.eos_token_ids, priority, group_id=group_id)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self._tracked[request_id] = _Tracked(req, text, detok)
-        self.scheduler.add(req)
+        replica = self._choose_replica(group_id)
+        self._tracked[request_id] = _Tracked(req, text, detok, replica)
+        replica.scheduler.add(req)
         return req
+
+    def _choose_replica(self, group_id: str | None) -> Replica:
+        """The least loaded replica; the n completions of one prompt stay together (shared pages)."""
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        if group_id is not None:
+            for t in self._tracked.values():
+                if t.request.group_id == group_id:
+                    return t.replica
+        return min(self.replicas, key=lambda r: r.load)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages now. Returns whether it was still live."""
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return False
-        self.scheduler.finish(tracked.request, "abort")
+        tracked.replica.scheduler.finish(tracked.request, "abort")
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return any(r.scheduler.has_work() for r in self.replicas)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step of every replica: all are dispatched before any is waited on, so the
+        replicas' devices run at the same time."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if plan is None:
+        plans = [replica.scheduler.schedule() for replica in self.replicas]
+        if all(plan is None for plan in plans):
             return []
+        if self.broadcaster is not None:  # multi-host: the followers launch the same steps
+            self.broadcaster.send([r.runner for r in self.replicas], plans)
+        launched = [(replica, plan, replica.runner.launch(plan))
+                    for replica, plan in zip(self.replicas, plans) if plan is not None]
         t1 = time.perf_counter()
-        token_ids, logprobs = self.runner.execute(plan)
+        results = [(replica, plan, replica.runner.fetch(out)) for replica, plan, out in launched]
         t2 = time.perf_counter()
-        # Host time (scheduling + input preparation) against the whole step, per batch size.
-        self.step_timings.append((len(plan.seqs), plan.num_tokens, t1 - t0, t2 - t0))
+        # Host time (scheduling + input preparation + dispatch) against the whole step.
+        self.step_timings.append((sum(len(p.seqs) for _, p, _ in results), sum(p.num_tokens for _, p, _ in results),
+                                  t1 - t0, t2 - t0))
         now = time.monotonic()
         outputs = []
-        for req, _ in self.scheduler.update(plan, token_ids, logprobs):
+        for replica, plan, (token_ids, logprobs) in results:
+            outputs += self._collect(replica, plan, token_ids, logprobs, now)
+        return outputs
+
+    def _collect(self, replica: Replica, plan: Any, token_ids: np.ndarray, logprobs: Any,
+                 now: float) -> list[RequestOutput]:
+        outputs = []
+        for req, _ in replica.scheduler.update(plan, token_ids, logprobs):
             if req.first_token_time is None:
                 req.first_token_time = now
             tracked = self._tracked.get(req.request_id)
@@ -205,7 +276,7 @@ class LLMEngine:
                 text = text[:idx]
                 if not finished:
                     req.finish_reason, req.stop_reason = "stop", s
-                    self.scheduler.finish(req, "stop")
+                    t.replica.scheduler.finish(req, "stop")
                 finished = True
         if finished:
             visible = len(text)
@@ -229,18 +300,37 @@ class LLMEngine:
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
                              req.num_cached_tokens, delta_text, delta_ids)
 
+    def stop_followers(self) -> None:
+        """Multi-host: release the other processes from their follow() loops."""
+        if self.broadcaster is not None:
+            self.broadcaster.stop()
+            self.broadcaster = None
+
     # ---- introspection ----------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Page pool and prefix cache consistency (tests call this after every scenario)."""
-        external = None
-        if self.prefix_cache is not None:
-            self.prefix_cache.check_invariants()
-            external = self.prefix_cache.external_refs()
-        self.pool.check_invariants(external)
+        for r in self.replicas:
+            external = None
+            if r.prefix_cache is not None:
+                r.prefix_cache.check_invariants()
+                external = r.prefix_cache.external_refs()
+            r.pool.check_invariants(external)
 
     @property
     def compiles_after_warmup(self) -> int:
-        return self.runner.compiles_after_warmup
+        return max(r.runner.compiles_after_warmup for r in self.replicas)  # a process-wide count
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(r.scheduler.running) for r in self.replicas)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(r.scheduler.waiting) for r in self.replicas)
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(r.pool.num_pages - 1 - r.pool.num_free for r in self.replicas)
 
 
 class QueueFullError(RuntimeError):

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.attention import AttentionMetadata, get_attention_fn
+from jaxserve.attention import AttentionMetadata, get_attention_fn, write_kv
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import SampleOutput, SamplingArrays, empty_sampling_arrays, sample
 from jaxserve.engine.scheduler import StepPlan
@@ -56,24 +56,39 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 
 
 class ModelRunner:
+    """Runs steps of one model replica. With a mesh, the parameters are expected sharded on it
+    already; the pool is split over KV heads and attention and the KV write run per shard."""
+
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, buckets: Buckets,
-                 history_len: int, attention_backend: str = "auto"):
+                 history_len: int, attention_backend: str = "auto", mesh: Any = None):
         self.model = model
         self.buckets = buckets
         self.history_len = history_len
+        self.mesh = mesh
         cfg = model.cfg
         self.kv_shape = (cfg.num_layers, num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = jnp.zeros(self.kv_shape, model.dtype)
+        attention_fn, kv_write_fn = get_attention_fn(attention_backend), write_kv
+        self._kv_sharding = self._input_sharding = None
+        if mesh is not None:
+            from jaxserve import parallel
+
+            self._kv_sharding, self._input_sharding = parallel.kv_pool_sharding(mesh), parallel.replicated(mesh)
+            if mesh.shape["model"] > 1:
+                attention_fn = parallel.shard_attention(attention_fn, mesh)
+                kv_write_fn = parallel.shard_kv_write(write_kv, mesh)
+        self.kv_cache = jax.jit(lambda: jnp.zeros(self.kv_shape, model.dtype), out_shardings=self._kv_sharding)()
         self.graphdef, self.state = nnx.split(model)
-        attention_fn = get_attention_fn(attention_backend)
 
         def step(state, kv_cache, tokens, md: AttentionMetadata, logits_indices, samp: SamplingArrays):
             m = nnx.merge(self.graphdef, state)
-            hidden, kv_cache = m(tokens, md, kv_cache, attention_fn)
+            hidden, kv_cache = m(tokens, md, kv_cache, attention_fn, kv_write_fn)
             logits = m.compute_logits(hidden[logits_indices])
             return kv_cache, sample(logits, samp)
 
-        self._step = jax.jit(step, donate_argnums=(1,))
+        # The pool keeps its sharding; sampled ids come back replicated, so every process of a
+        # multi-host mesh can read them from its own devices.
+        out_shardings = None if mesh is None else (self._kv_sharding, self._input_sharding)
+        self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
         self._compiled: dict[tuple[int, int, int], Any] = {}
         self.compile_seconds = 0.0
         CompileCounter.install()
@@ -84,12 +99,13 @@ class ModelRunner:
         return int(np.prod(self.kv_shape)) * jnp.dtype(self.model.dtype).itemsize
 
     def _abstract_args(self, T: int, S: int, P: int) -> tuple:
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        rep = self._input_sharding  # step inputs are replicated over the replica's devices
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731
         md = AttentionMetadata(positions=i32(T), slot_mapping=i32(T), kv_lens=i32(S), page_tables=i32(S, P),
                                cu_q_lens=i32(S + 1), num_seqs=i32(1))
-        samp = SamplingArrays(**{k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+        samp = SamplingArrays(**{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                                  for k, v in empty_sampling_arrays(S, self.history_len).items()})
-        kv = jax.ShapeDtypeStruct(self.kv_shape, self.model.dtype)
+        kv = jax.ShapeDtypeStruct(self.kv_shape, self.model.dtype, sharding=self._kv_sharding)
         return self.state, kv, i32(T), md, i32(S), samp
 
     def compile_bucket(self, bucket: tuple[int, int, int]) -> Any:
@@ -112,12 +128,33 @@ class ModelRunner:
             return 0
         return CompileCounter.count - self.compiles_after_warmup_base
 
-    def execute(self, plan: StepPlan) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Run one step; returns sampled ids [S] and (token logprob, top ids, top logprobs)."""
-        fn = self.compile_bucket(plan.bucket)
+    @staticmethod
+    def step_inputs(plan: StepPlan) -> tuple:
+        """The plan's device inputs: (tokens, attention metadata, logits indices, sampling arrays)."""
         md = AttentionMetadata(plan.positions, plan.slot_mapping, plan.kv_lens, plan.page_tables,
                                plan.cu_q_lens, plan.num_seqs)
-        samp = SamplingArrays(**plan.sampling)
-        self.kv_cache, out = fn(self.state, self.kv_cache, plan.tokens, md, plan.logits_indices, samp)
-        out: SampleOutput = jax.device_get(out)
+        return plan.tokens, md, plan.logits_indices, SamplingArrays(**plan.sampling)
+
+    def input_template(self, bucket: tuple[int, int, int]) -> tuple:
+        """Zero host arrays shaped like step_inputs of a plan in this bucket (what a multi-host
+        follower receives the leader's plan into)."""
+        _, _, tokens, md, logits_indices, samp = self._abstract_args(*bucket)
+        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), (tokens, md, logits_indices, samp))
+
+    def launch(self, plan: StepPlan) -> SampleOutput:
+        """Dispatch one step and return without waiting for the device (its outputs are futures)."""
+        return self.launch_inputs(plan.bucket, self.step_inputs(plan))
+
+    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple) -> SampleOutput:
+        fn = self.compile_bucket(bucket)
+        self.kv_cache, out = fn(self.state, self.kv_cache, *inputs)
+        return out
+
+    @staticmethod
+    def fetch(out: SampleOutput) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Wait for a launched step: sampled ids [S] and (token logprob, top ids, top logprobs)."""
+        out = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out)  # replicated: any copy
         return out.token_ids, (out.logprobs, out.top_ids, out.top_logprobs)
+
+    def execute(self, plan: StepPlan) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return self.fetch(self.launch(plan))

@@ -146,6 +146,25 @@ class LlamaForCausalLM(nnx.Module):
                 raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}, the config needs {shape}")
             getattr(self, name)[...] = jnp.asarray(value, self.dtype)
 
+    @classmethod
+    def from_arrays(cls, cfg: ModelConfig, params: dict[str, jax.Array], dtype: Any = jnp.float32,
+                    inv_freq: jax.Array | None = None) -> "LlamaForCausalLM":
+        """A model holding exactly these (already placed, possibly sharded) arrays: it is built
+        abstractly first, so no device ever holds randomly initialised or full-size copies."""
+        model = nnx.eval_shape(lambda: cls(cfg, dtype))
+        shapes = param_shapes(cfg)
+        missing = set(shapes) - set(params)
+        if missing:
+            raise ValueError(f"checkpoint is missing parameters: {sorted(missing)}")
+        for name, shape in shapes.items():
+            value = params[name]
+            if tuple(value.shape) != shape or value.dtype != jnp.dtype(dtype):
+                raise ValueError(f"parameter {name!r} is {value.dtype}{tuple(value.shape)}, "
+                                 f"the config needs {jnp.dtype(dtype)}{shape}")
+            setattr(model, name, nnx.Param(value))
+        model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)) if inv_freq is None else inv_freq)
+        return model
+
     def param_arrays(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in param_shapes(self.cfg)}
 
@@ -155,8 +174,10 @@ class LlamaForCausalLM(nnx.Module):
         metadata: AttentionMetadata,
         kv_cache: jax.Array,
         attention_fn: Callable[..., jax.Array],
+        kv_write_fn: Callable[..., jax.Array] = write_kv,
     ) -> tuple[jax.Array, jax.Array]:
-        """tokens [T]; kv_cache [L, num_pages, page_size, 2*KVH, D]. Returns hidden [T, E], new cache."""
+        """tokens [T]; kv_cache [L, num_pages, page_size, 2*KVH, D]. Returns hidden [T, E], new cache.
+        (Sharded serving passes per-shard versions of attention_fn and kv_write_fn.)"""
         cfg = self.cfg
         L, num_pages, page_size = kv_cache.shape[:3]
         T = tokens.shape[0]
@@ -180,7 +201,7 @@ class LlamaForCausalLM(nnx.Module):
                 k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
             q = apply_rope(q, metadata.positions, inv_freq)
             k = apply_rope(k, metadata.positions, inv_freq)
-            pool = write_kv(pool, k, v, metadata.slot_mapping + l * num_pages * page_size)
+            pool = kv_write_fn(pool, k, v, metadata.slot_mapping + l * num_pages * page_size)
             attn = attention_fn(
                 q, pool, metadata.kv_lens, metadata.page_tables + l * num_pages,
                 metadata.cu_q_lens, metadata.num_seqs, k_new=k, v_new=v,

@@ -35,13 +35,14 @@ class Metrics:
     def render(self, engine: "AsyncEngine | None") -> bytes:
         if engine is not None:
             e = engine.engine
-            self.running.set(len(e.scheduler.running))
-            self.waiting.set(len(e.scheduler.waiting))
-            used = e.num_pages - 1 - e.pool.num_free
+            self.running.set(e.num_running)
+            self.waiting.set(e.num_waiting)
+            used = e.num_used_pages
             self.kv_pages_used.set(used)
-            self.kv_usage.set(used / max(1, e.num_pages - 1))
-            if e.prefix_cache is not None:
-                self.prefix_hit_rate.set(e.prefix_cache.hit_rate)
+            self.kv_usage.set(used / max(1, (e.num_pages - 1) * len(e.replicas)))
+            caches = [r.prefix_cache for r in e.replicas if r.prefix_cache is not None]
+            if caches:
+                self.prefix_hit_rate.set(sum(c.hit_rate for c in caches) / len(caches))
             self.compiles.set(e.compiles_after_warmup)
         return generate_latest(self.registry)
 

@@ -1,0 +1,171 @@
+"""Tensor and data parallelism on 8 simulated CPU devices, each scenario in one subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve import parallel
+from jaxserve.models.llama import ModelConfig
+
+WORKER = Path(__file__).with_name("mesh_worker.py")
+MESHES = ["1x1", "1x2", "1x4", "2x2", "1x8"]
+
+
+def run_worker(model: str, meshes: list[str], tmp_path: Path) -> dict:
+    out = tmp_path / "mesh.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, str(WORKER), model, str(out), *meshes], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def check_equal_to_1x1(results: dict) -> None:
+    base = results["meshes"]["1x1"]
+    for mesh in MESHES[1:]:
+        r = results["meshes"][mesh]
+        assert "error" not in r, r
+        assert r["tokens"] == base["tokens"], mesh
+        for seq_r, seq_b in zip(r["logprobs"], base["logprobs"]):
+            for lp_r, lp_b in zip(seq_r, seq_b):
+                common = set(lp_r) & set(lp_b)
+                assert len(common) >= 4, (mesh, lp_r, lp_b)
+                np.testing.assert_allclose([lp_r[k] for k in common], [lp_b[k] for k in common], atol=2e-4,
+                                           err_msg=mesh)
+        assert all(r["shardings_ok"].values()), (mesh, r["shardings_ok"])
+        data, model = parallel.parse_mesh(mesh)
+        assert len(r["replica_devices"]) == data and all(len(d) == model for d in r["replica_devices"])
+        assert len({d for ds in r["replica_devices"] for d in ds}) == data * model  # replicas share no device
+
+
+@pytest.fixture(scope="module")
+def default_results(tmp_path_factory) -> dict:
+    return run_worker("default", MESHES, tmp_path_factory.mktemp("mesh_default"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_results(tiny_checkpoints, tmp_path_factory) -> dict:
+    return run_worker(str(tiny_checkpoints["qwen3"]), MESHES + ["1x3", "4x4"], tmp_path_factory.mktemp("mesh_qwen3"))
+
+
+def test_default_model_meshes_match_1x1(default_results):
+    check_equal_to_1x1(default_results)
+    # SmolLM2's 9 query / 3 KV heads are re-laid so every shard holds whole heads.
+    assert default_results["meshes"]["1x4"]["model_heads"] == [9, 3]
+    assert default_results["meshes"]["1x4"]["served_heads"] == [12, 12]
+    assert default_results["meshes"]["1x2"]["served_heads"] == [12, 6]
+
+
+def test_tiny_qwen3_meshes_match_1x1(qwen3_results):
+    check_equal_to_1x1(qwen3_results)
+    assert qwen3_results["meshes"]["1x2"]["served_heads"] == [4, 2]  # divisible: no re-layout
+
+
+def per_device(r: dict, key: str) -> list[int]:
+    return sorted(r[key].values())
+
+
+def test_per_device_bytes_shrink_with_the_model_axis(default_results, qwen3_results):
+    for results in (default_results, qwen3_results):
+        total = results["meshes"]["1x1"]["total_param_bytes"]
+        for mesh in ("1x2", "1x4", "1x8"):
+            t = parallel.parse_mesh(mesh)[1]
+            r = results["meshes"][mesh]
+            devices = per_device(r, "param_bytes_per_device")
+            assert len(devices) == t and max(devices) == min(devices)
+            assert sum(devices) >= total  # norms are replicated, nothing is lost
+            # Only norms (and, for head counts T does not divide, padded heads) are not split.
+            assert max(devices) < total / t * 1.5 or mesh == "1x8", (mesh, max(devices), total / t)
+            kv = per_device(r, "kv_bytes_per_device")
+            assert len(kv) == t and max(kv) == min(kv)
+    # Divisible heads: exactly 1/T apart from the replicated norms.
+    q = qwen3_results["meshes"]
+    assert per_device(q["1x2"], "param_bytes_per_device")[0] < q["1x1"]["total_param_bytes"] / 2 * 1.05
+
+
+def test_bad_meshes_are_clear_errors(qwen3_results):
+    assert "needs 16 devices" in qwen3_results["meshes"]["4x4"]["error"]
+    assert "intermediate_size=128 is not divisible by 3" in qwen3_results["meshes"]["1x3"]["error"]
+
+
+def test_orbax_restores_sharded_weights_into_another_mesh(default_results):
+    assert default_results["orbax"] == {"equal": True, "placed": True}
+
+
+def cfg_with(heads: int, kv_heads: int) -> ModelConfig:
+    return ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=8)
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp", [(9, 3, 2), (9, 3, 4), (9, 3, 8), (4, 2, 8), (8, 8, 4), (4, 1, 4)])
+def test_head_layout_keeps_every_shard_self_contained(heads, kv_heads, tp):
+    layout = parallel.head_layout(cfg_with(heads, kv_heads), tp)
+    q, kv = np.asarray(layout.q_heads), np.asarray(layout.kv_heads)
+    assert len(kv) % tp == 0 and len(q) % len(kv) == 0
+    assert sorted(q[q >= 0].tolist()) == list(range(heads))  # every query head served once
+    group, served_group = heads // kv_heads, len(q) // len(kv)
+    for i, h in enumerate(q):  # served q head i reads served KV head i // served_group
+        if h >= 0:
+            assert kv[i // served_group] == h // group
+    assert parallel.head_layout(cfg_with(heads, kv_heads), 1).is_identity
+
+
+def test_apply_head_layout_zero_pads_and_repeats():
+    cfg = cfg_with(9, 3)
+    rng = np.random.default_rng(0)
+    from jaxserve.models.llama import param_shapes
+
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in param_shapes(cfg).items()}
+    layout = parallel.head_layout(cfg, 4)
+    served, out = parallel.apply_head_layout(cfg, params, layout)
+    assert (served.num_heads, served.num_kv_heads) == (12, 12)
+    D = cfg.head_dim
+    for i, h in enumerate(layout.q_heads):
+        col = out["wq"][:, :, i * D:(i + 1) * D]
+        np.testing.assert_array_equal(col, 0 if h < 0 else params["wq"][:, :, h * D:(h + 1) * D])
+        np.testing.assert_array_equal(out["wo"][:, i * D:(i + 1) * D], 0 if h < 0 else params["wo"][:, h * D:(h + 1) * D])
+    for j, h in enumerate(layout.kv_heads):
+        np.testing.assert_array_equal(out["wk"][:, :, j * D:(j + 1) * D], params["wk"][:, :, h * D:(h + 1) * D])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_share_one_mesh(default_results, tmp_path):
+    """jax.distributed over two localhost processes (gloo CPU collectives): a 1x4 mesh spanning
+    both, process 0 scheduling and broadcasting each step, greedy tokens equal to 1x1."""
+    worker = Path(__file__).with_name("multihost_worker.py")
+    port, out = str(free_port()), tmp_path / "leader.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), port, str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (1, 0)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    result = json.loads(out.read_text())
+    assert sorted(result["devices"]) == [0, 0, 1, 1]  # the mesh spans both processes
+    assert result["tokens"] == default_results["meshes"]["1x1"]["tokens"]
+    assert "follower ran" in logs[0]
+
+
+def test_server_refuses_a_mesh_the_devices_cannot_form():
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.serve", "--mesh", "2x4", "--grpc-port", str(free_port()),
+                           "--http-port", str(free_port())], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert proc.returncode == 2
+    assert "cannot start: mesh '2x4' needs 8 devices, but only 1 CPU device(s) are visible" in proc.stderr
