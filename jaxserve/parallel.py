@@ -7,9 +7,9 @@ The KV pool is split over KV heads on ``model`` and attention runs per shard und
 
 Every shard must hold whole heads, and each shard's query heads must use only its own KV heads.
 When T does not divide the KV heads (SmolLM2: 9 query heads over 3 KV heads), the heads are laid
-out again at load time: each KV head is repeated until T divides their number, and each repeat
-serves an equal slice of its query heads, padded with zero heads (zero q rows and zero o columns
-add exactly nothing). ``HeadLayout`` records the mapping.
+out again at load time: KV heads are repeated and/or padded with zero heads until T divides their
+number, and each repeat serves an equal slice of its query heads, padded with zero heads (zero q
+columns and zero o rows add exactly nothing). ``HeadLayout`` records the mapping.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 
 @dataclass(frozen=True)
 class HeadLayout:
-    """Which original head each served head is: q_heads[i] (-1: a zero padding head), kv_heads[j]."""
+    """Which original head each served head is: q_heads[i], kv_heads[j] (-1: a zero padding head)."""
 
     q_heads: tuple[int, ...]
     kv_heads: tuple[int, ...]
@@ -92,13 +92,28 @@ class HeadLayout:
 
 
 def head_layout(cfg: ModelConfig, tp: int) -> HeadLayout:
-    """Served heads for a model split in `tp`: KV heads repeated r times (r = lcm(KVH, tp) / KVH),
-    each repeat serving ceil(G / r) of its group's G query heads (zero heads pad the last)."""
+    """Served heads for a model split over `tp` devices.
+
+    Each KV head is repeated r times, each repeat serving ceil(G / r) of its group's G query heads
+    (zero heads pad the last), and zero "dummy" KV heads pad the count to a multiple of tp. The r
+    chosen gives the fewest query heads per device (the attention work), then the fewest KV heads
+    (the pool's memory). r = 1 and no padding when tp divides the KV heads.
+    """
     kvh, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    repeats = math.lcm(kvh, tp) // kvh
+
+    def cost(r: int) -> tuple[int, int]:
+        kv_per_device = -(-kvh * r // tp)
+        return kv_per_device * -(-group // r), kv_per_device
+
+    repeats = min(range(1, tp + 1), key=cost)
     per_repeat = -(-group // repeats)
+    served_kv = cost(repeats)[1] * tp
     q_heads, kv_heads = [], []
-    for j in range(kvh * repeats):
+    for j in range(served_kv):
+        if j >= kvh * repeats:  # a dummy KV head: zero weights, all its query heads zero
+            kv_heads.append(-1)
+            q_heads += [-1] * per_repeat
+            continue
         kv, r = divmod(j, repeats)
         kv_heads.append(kv)
         for i in range(per_repeat):
@@ -145,10 +160,12 @@ def apply_head_layout(cfg: ModelConfig, params: dict[str, np.ndarray],
 
 
 def describe_layout(cfg: ModelConfig, layout: HeadLayout, tp: int) -> str:
-    pad = sum(h < 0 for h in layout.q_heads)
+    q_pad = sum(h < 0 for h in layout.q_heads)
+    kv = [h for h in layout.kv_heads if h >= 0]
     return (f"model axis {tp}: the model has {cfg.num_heads} query / {cfg.num_kv_heads} KV heads; serving "
-            f"{len(layout.q_heads)} query heads ({pad} zero-padded) over {len(layout.kv_heads)} KV heads "
-            f"(each repeated {len(layout.kv_heads) // cfg.num_kv_heads}x) so that every shard holds whole heads")
+            f"{len(layout.q_heads)} query heads ({q_pad} zero) over {len(layout.kv_heads)} KV heads (each KV head "
+            f"repeated {len(kv) // cfg.num_kv_heads}x, {len(layout.kv_heads) - len(kv)} zero) so that every shard "
+            f"holds whole heads: {len(layout.q_heads) // tp} query and {len(layout.kv_heads) // tp} KV heads per device")
 
 
 def param_sharding(mesh: Mesh, name: str) -> NamedSharding:

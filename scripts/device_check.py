@@ -7,6 +7,10 @@
    8 KV heads, head_dim 128, bf16, page 16). Reports kernel and reference time and the kernel's
    achieved memory bandwidth (KV bytes it must read + q/out) vs the device's peak.
 
+3. Multi-device (when more than one device is visible, or with --meshes): the default model on
+   meshes 1x1, 1xN and Nx1, greedy outputs compared with 1x1, output tokens/s of one batch of
+   requests on each, per-device weight bytes.
+
 Unattended, budgeted to finish in under 5 minutes (configs past the budget are skipped and
 marked so). ``--quick``: fewer configs and iterations. ``--interpret``: tiny shapes through the
 kernels' interpret modes, a smoke run for CPU.
@@ -201,11 +205,55 @@ def print_table(rows: list[dict[str, Any]], kernels: list[str]) -> None:
         print(line)
 
 
+def check_meshes(meshes: list[str], quick: bool) -> list[dict[str, Any]]:
+    """Each mesh serves the same greedy batch: tokens must equal 1x1's; throughput and memory."""
+    from jaxserve import LLM, SamplingParams, parallel
+
+    prompts = [[1] + [(17 * i + 31 * j) % 4000 + 100 for j in range(24 + 8 * (i % 4))] for i in range(16 if quick else 64)]
+    params = SamplingParams(max_tokens=16 if quick else 64, temperature=0.0, ignore_eos=True)
+    rows: list[dict[str, Any]] = []
+    reference = None
+    for mesh in meshes:
+        try:
+            t0 = time.perf_counter()
+            llm = LLM(mesh=mesh, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512,
+                      show_progress=False)
+            startup = time.perf_counter() - t0
+            llm.generate(prompts[:2], params, use_tqdm=False)  # warm
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+        except Exception as e:  # report and go on: one failing mesh must not hide the others
+            rows.append(dict(mesh=mesh, error=f"{type(e).__name__}: {e}"))
+            print(f"  {mesh}: FAILED {type(e).__name__}: {e}")
+            continue
+        tokens = [o.outputs[0].token_ids for o in outs]
+        reference = tokens if reference is None else reference
+        weights = parallel.per_device_bytes(list(llm.engine.runner.model.param_arrays().values()))
+        row = dict(mesh=mesh, ok=tokens == reference, startup_s=startup,
+                   output_tok_s=sum(len(t) for t in tokens) / wall,
+                   weights_per_device_MiB=max(weights.values()) / 2**20)
+        rows.append(row)
+        print(f"  {mesh}: equal to {meshes[0]}: {row['ok']}, {row['output_tok_s']:.1f} output tok/s, "
+              f"start-up {startup:.1f} s, weights {row['weights_per_device_MiB']:.1f} MiB/device")
+        del llm
+    return rows
+
+
+def default_meshes() -> list[str]:
+    n = jax.device_count()
+    if n < 2:
+        return []
+    tp = 1 << (min(n, 8).bit_length() - 1)
+    return ["1x1", f"1x{tp}", f"{tp}x1"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("device_check.json"))
     ap.add_argument("--quick", action="store_true", help="fewer configs and iterations")
     ap.add_argument("--interpret", action="store_true", help="interpret-mode kernels on tiny shapes (CPU smoke run)")
+    ap.add_argument("--meshes", default=None, help="comma list, e.g. 1x1,1x4 (default: 1x1,1xN,Nx1 if N>1 devices)")
     a = ap.parse_args()
     start = time.time()
     platform = jax.default_backend()
@@ -218,10 +266,16 @@ def main() -> int:
     print("decode benchmark:")
     bench = bench_decode(kernels, kind, a.quick, a.interpret, start)
     print_table(bench, list(kernels))
-    ok = all(r["ok"] for r in correctness)
+    meshes = a.meshes.split(",") if a.meshes else default_meshes()
+    mesh_rows = []
+    if meshes:
+        print(f"multi-device ({jax.device_count()} devices):")
+        mesh_rows = check_meshes(meshes, a.quick)
+    ok = all(r["ok"] for r in correctness) and all(r.get("ok", False) for r in mesh_rows)
     report = dict(jax_version=jax.__version__, platform=platform, device_kind=kind,
                   peak_bandwidth_Bps=peak_bandwidth(kind), interpret=a.interpret, quick=a.quick,
-                  correctness=correctness, decode=bench, all_correct=ok, wall_s=time.time() - start)
+                  correctness=correctness, decode=bench, meshes=mesh_rows, all_correct=ok,
+                  wall_s=time.time() - start)
     a.out.write_text(json.dumps(report, indent=2))
     print(f"{'PASS' if ok else 'FAIL'}: wrote {a.out} in {report['wall_s']:.1f}s")
     return 0 if ok else 1

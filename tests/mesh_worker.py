@@ -4,7 +4,7 @@
 
 For each mesh: greedy outputs with top-5 logprobs, whether every parameter and the KV pool have
 the sharding the partition rules say, and the bytes each device holds. Orbax: the first sharded
-mesh's weights are saved and restored straight into a 1x2 mesh. test_parallel.py asserts on it.
+mesh's weights are saved and restored straight into a 1x4 mesh. test_parallel.py asserts on it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def run_mesh(llm: LLM) -> dict:
 def orbax_roundtrip(llm: LLM) -> dict:
     """Save sharded weights, restore them directly into another mesh's shardings."""
     params = llm.engine.runner.model.param_arrays()
-    target_mesh = parallel.make_mesh("1x2", jax.devices()[6:8])
+    target_mesh = parallel.make_mesh("1x4", jax.devices()[4:8])  # other devices, another split
     with tempfile.TemporaryDirectory() as tmp:
         save_params(os.path.join(tmp, "ckpt"), params)
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=parallel.param_sharding(target_mesh, k))

@@ -59,8 +59,9 @@ def test_default_model_meshes_match_1x1(default_results):
     check_equal_to_1x1(default_results)
     # SmolLM2's 9 query / 3 KV heads are re-laid so every shard holds whole heads.
     assert default_results["meshes"]["1x4"]["model_heads"] == [9, 3]
-    assert default_results["meshes"]["1x4"]["served_heads"] == [12, 12]
-    assert default_results["meshes"]["1x2"]["served_heads"] == [12, 6]
+    assert default_results["meshes"]["1x4"]["served_heads"] == [12, 4]  # 3 query heads, 1 KV head per device
+    assert default_results["meshes"]["1x2"]["served_heads"] == [12, 4]
+    assert default_results["meshes"]["1x8"]["served_heads"] == [16, 8]  # KV heads repeated twice
 
 
 def test_tiny_qwen3_meshes_match_1x1(qwen3_results):
@@ -110,10 +111,13 @@ def test_head_layout_keeps_every_shard_self_contained(heads, kv_heads, tp):
     q, kv = np.asarray(layout.q_heads), np.asarray(layout.kv_heads)
     assert len(kv) % tp == 0 and len(q) % len(kv) == 0
     assert sorted(q[q >= 0].tolist()) == list(range(heads))  # every query head served once
+    assert sorted(set(kv[kv >= 0].tolist())) == list(range(kv_heads))
     group, served_group = heads // kv_heads, len(q) // len(kv)
     for i, h in enumerate(q):  # served q head i reads served KV head i // served_group
         if h >= 0:
             assert kv[i // served_group] == h // group
+    # Never more query heads per device than an even split of the KV groups needs.
+    assert len(q) // tp <= -(-kv_heads // tp) * group
     assert parallel.head_layout(cfg_with(heads, kv_heads), 1).is_identity
 
 
@@ -123,16 +127,18 @@ def test_apply_head_layout_zero_pads_and_repeats():
     from jaxserve.models.llama import param_shapes
 
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in param_shapes(cfg).items()}
-    layout = parallel.head_layout(cfg, 4)
+    layout = parallel.head_layout(cfg, 8)
     served, out = parallel.apply_head_layout(cfg, params, layout)
-    assert (served.num_heads, served.num_kv_heads) == (12, 12)
+    assert (served.num_heads, served.num_kv_heads) == (16, 8)
     D = cfg.head_dim
     for i, h in enumerate(layout.q_heads):
         col = out["wq"][:, :, i * D:(i + 1) * D]
         np.testing.assert_array_equal(col, 0 if h < 0 else params["wq"][:, :, h * D:(h + 1) * D])
         np.testing.assert_array_equal(out["wo"][:, i * D:(i + 1) * D], 0 if h < 0 else params["wo"][:, h * D:(h + 1) * D])
     for j, h in enumerate(layout.kv_heads):
-        np.testing.assert_array_equal(out["wk"][:, :, j * D:(j + 1) * D], params["wk"][:, :, h * D:(h + 1) * D])
+        want = 0 if h < 0 else params["wk"][:, :, h * D:(h + 1) * D]
+        np.testing.assert_array_equal(out["wk"][:, :, j * D:(j + 1) * D], want)
+    assert -1 in layout.kv_heads and -1 in layout.q_heads  # 9/3 heads over 8: zero heads pad both
 
 
 def free_port() -> int:
