@@ -190,16 +190,24 @@ def ragged_paged_attention_split(
     def capped(s):
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
-    # Part 1: this step's own tokens.
-    s = capped(jnp.einsum("tkgd,ukd->tkgu", qf, k_new.astype(jnp.float32)))
+    # Part 1: this step's own tokens, computed head-major ([KVH, T*G, ...]): XLA's CPU dots want
+    # the batch axis leading, and this layout ran the [T, T] products 2-3x faster than token-major.
+    q_heads = qf.transpose(1, 0, 2, 3).reshape(kv_heads, num_tokens * group, head_dim)
+    s = capped(jnp.einsum("kmd,kud->kmu", q_heads, k_new.astype(jnp.float32).transpose(1, 0, 2)))
     rows = jnp.arange(num_tokens)
     mask = (seq[:, None] == seq[None, :]) & valid[:, None] & (rows[None, :] <= rows[:, None])
     if sliding_window is not None:
         mask &= q_pos[None, :] >= lo[:, None]
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    s = jnp.where(jnp.repeat(mask, group, axis=0)[None], s, -jnp.inf)  # row m of a head = token m // G
     m1 = s.max(-1)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m1), m1, 0.0)[..., None])
-    part_new = (m1, p.sum(-1), jnp.einsum("tkgu,ukd->tkgd", p, v_new.astype(jnp.float32)))
+    pv = jnp.einsum("kmu,kud->kmd", p, v_new.astype(jnp.float32).transpose(1, 0, 2))
+
+    def token_major(x):  # [KVH, T*G, ...] -> [T, KVH, G, ...]
+        x = x.reshape(kv_heads, num_tokens, group, *x.shape[2:])
+        return x.transpose(1, 0, 2, *range(3, x.ndim))
+
+    part_new = (token_major(m1), token_major(p.sum(-1)), token_major(pv))
 
     # Part 2: earlier context from the pages, row block by row block.
     pad = (-num_tokens) % _ROW_BLOCK

@@ -1,8 +1,10 @@
 """Offline throughput: jaxserve continuous vs static batching vs HF transformers, in one run.
 
-    python scripts/bench_offline.py --num-prompts 64 --hf-batch 32 --out docs/results/bench_offline.json
+    python scripts/bench_offline.py --out docs/results/bench_offline.json
 
-Each system generates the same seeded prompts greedily with EOS ignored, each request with its own
+By default 128 requests over 32 sequence slots for every system (our continuous and static
+batching, HF static batches of 32): with more requests than slots, continuous batching refills a
+slot as soon as a request ends, while a static batch waits for its longest answer. Each system generates the same seeded prompts greedily with EOS ignored, each request with its own
 seeded output length, so every system produces the same useful tokens (a static HF batch runs to
 its longest answer; only the requested tokens count). Prints a table and writes JSON (--out).
 """
@@ -85,12 +87,12 @@ def bench_hf(prompts, output_lens: list[int], batch: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--min-input-len", type=int, default=32)
     ap.add_argument("--max-input-len", type=int, default=256)
     ap.add_argument("--min-output-len", type=int, default=16)
     ap.add_argument("--max-output-len", type=int, default=160)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--hf-batch", type=int, default=32, help="HF static batch size (0: skip HF)")
     ap.add_argument("--repeats", type=int, default=1)
@@ -109,7 +111,8 @@ def main() -> None:
     output_lens = [int(n) for n in rng.integers(args.min_output_len, args.max_output_len + 1, args.num_prompts)]
     t0 = time.perf_counter()
     results["jaxserve_continuous"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
-    llm.engine.scheduler.static = True
+    for replica in llm.engine.replicas:
+        replica.scheduler.static = True
     results["jaxserve_static"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
     if args.hf_batch:
         results["hf_transformers"] = bench_hf(prompts, output_lens, args.hf_batch)
