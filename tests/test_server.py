@@ -141,8 +141,10 @@ def test_openai_client_both_endpoints(server):
 
 def test_metrics_parse_and_move(server):
     before = metric(server["base"], "jaxserve:generation_tokens_total")
+    queued = metric(server["base"], "jaxserve:request_queue_time_seconds_count")
     Client(server["grpc"]).generate("Count: one, two,", max_tokens=5, temperature=0.0)
     assert metric(server["base"], "jaxserve:generation_tokens_total") >= before + 5
+    assert metric(server["base"], "jaxserve:request_queue_time_seconds_count") >= queued + 1
     assert metric(server["base"], "jaxserve:time_to_first_token_seconds_count") >= 1
     assert metric(server["base"], "jaxserve:compile_count_after_warmup") == 0
 

@@ -52,6 +52,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    queue_seconds: float | None = None  # arrival to first scheduling
 
 
 @dataclass
@@ -297,8 +298,9 @@ class LLMEngine:
                         in zip(req.output_token_ids, req.output_logprobs)]
         completion = CompletionOutput(0, t.text, list(req.output_token_ids),
                                       req.finish_reason if finished else None, req.stop_reason, logprobs)
+        queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, delta_text, delta_ids)
+                             req.num_cached_tokens, delta_text, delta_ids, queued)
 
     def stop_followers(self) -> None:
         """Multi-host: release the other processes from their follow() loops."""

@@ -36,6 +36,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # leaving the waiting queue the first time
     # Set by the scheduler while the request holds a locked radix-cache node.
     cache_node: object | None = None
 

@@ -9,6 +9,8 @@ leaves are evicted first; then the newest running request is preempted by recomp
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -182,6 +184,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             if n > 0:
                 scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))

@@ -77,4 +77,4 @@ async def stream_outputs(
     finally:
         first = next(iter(done.values()), None)
         reason = first.outputs[0].finish_reason if first and len(done) == params.n else "abort"
-        timer.on_finish(reason, len(first.prompt_token_ids) if first else 0)
+        timer.on_finish(reason, len(first.prompt_token_ids) if first else 0, first.queue_seconds if first else None)

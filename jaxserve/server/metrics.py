@@ -66,7 +66,9 @@ class RequestTimer:
         self.last = now
         self.metrics.generation_tokens.inc(count)
 
-    def on_finish(self, reason: str | None, prompt_tokens: int) -> None:
+    def on_finish(self, reason: str | None, prompt_tokens: int, queue_seconds: float | None = None) -> None:
         self.metrics.e2e.observe(time.monotonic() - self.start)
+        if queue_seconds is not None:
+            self.metrics.queue.observe(queue_seconds)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.requests.labels(finish_reason=reason or "abort").inc()
