@@ -113,8 +113,9 @@ def main() -> None:
         for name, fn in work.items():
             if name not in args.workloads:
                 continue
-            if engine.prefix_cache is not None:
-                engine.prefix_cache.reset()  # each workload starts cold
+            for replica in engine.replicas:  # each workload starts cold
+                if replica.prefix_cache is not None:
+                    replica.prefix_cache.reset()
             results.setdefault(name, {})[label] = fn()
             r = results[name][label]
             print(f"{name:22s} cache {label:3s}: {r['tok_per_s']:7.1f} tok/s, TTFT mean {r['ttft_mean']:.2f} s "
