@@ -234,7 +234,7 @@ def check_meshes(meshes: list[str], quick: bool) -> list[dict[str, Any]]:
                    output_tok_s=sum(len(t) for t in tokens) / wall,
                    weights_per_device_MiB=max(weights.values()) / 2**20)
         rows.append(row)
-        print(f"  {mesh}: equal to {meshes[0]}: {row['ok']}, {row['output_tok_s']:.1f} output tok/s, "
+        print(f"  {mesh}: equal to the first mesh that ran: {row['ok']}, {row['output_tok_s']:.1f} output tok/s, "
               f"start-up {startup:.1f} s, weights {row['weights_per_device_MiB']:.1f} MiB/device")
         del llm
     return rows

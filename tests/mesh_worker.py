@@ -58,7 +58,6 @@ def run_mesh(llm: LLM) -> dict:
         total_param_bytes=int(sum(a.nbytes for a in runner.model.param_arrays().values())),
         served_heads=[engine.served_model_config.num_heads, engine.served_model_config.num_kv_heads],
         model_heads=[engine.model_config.num_heads, engine.model_config.num_kv_heads],
-        compiles_checked=engine.compiles_after_warmup >= 0,
     )
     return result
 
