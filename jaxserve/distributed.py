@@ -1,16 +1,19 @@
 """Multi-host serving: one mesh over every process's devices, process 0 leading.
 
 JAX runs one program per host (multi-controller): every process must launch the same step with
-the same inputs. Process 0 alone serves the API and schedules; before each step it broadcasts the
-step's plan (bucket shapes, then the padded arrays) to the other processes, which run
-``follow(engine)``: receive, launch the same compiled step on their own devices, repeat until the
-leader stops. The broadcast rides jax's own collectives (``multihost_utils``), gloo on CPU.
+the same inputs. Process 0 alone serves the API and schedules; before each step it broadcasts a
+header (which replicas run, in which bucket), then each active replica's padded inputs. The other
+processes run ``follow(engine)``: receive, launch the same compiled steps, repeat until the leader
+stops. A replica whose devices all belong to other processes sends its sampled ids back to the
+leader (``gather_outputs``). Everything rides jax's own collectives (``multihost_utils``), gloo on
+CPU. Every broadcast shape is compiled once at start-up (``warm_up``), so serving compiles nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Sequence
 
 import jax
@@ -18,7 +21,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_STEP, _STOP = 1, 2
+# Header kinds. IDLE is the leader's keep-alive: followers wait for the next header inside a
+# collective, and the CPU (gloo) collectives give up after 30 minutes without a partner.
+_STEP, _STOP, _IDLE = 1, 2, 3
+KEEP_ALIVE_SECONDS = 60.0
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -41,31 +47,83 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-def _broadcast(tree: Any) -> Any:
+def _broadcast(tree: Any, is_source: bool | None = None) -> Any:
     from jax.experimental import multihost_utils
 
-    return multihost_utils.broadcast_one_to_all(tree)
+    return multihost_utils.broadcast_one_to_all(tree, is_source=is_source)
+
+
+def _header(kind: int, num_replicas: int) -> np.ndarray:
+    header = np.zeros(1 + 4 * num_replicas, np.int32)
+    header[0] = kind
+    return header
+
+
+def _processes(mesh: Any) -> set[int]:
+    return {d.process_index for d in mesh.devices.flat}
+
+
+def _zeros_like(tree: Any) -> Any:
+    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), tree)
 
 
 class StepBroadcaster:
     """Leader side: sends each step's plans (one per replica, None where idle) to the followers."""
 
-    def __init__(self, num_replicas: int):
+    def __init__(self, num_replicas: int, keep_alive_seconds: float = KEEP_ALIVE_SECONDS):
         self.num_replicas = num_replicas
+        self.keep_alive_seconds = keep_alive_seconds
+        self.last_sent = time.monotonic()
 
     def send(self, runners: Sequence[Any], plans: Sequence[Any]) -> None:
-        header = np.zeros(1 + 4 * self.num_replicas, np.int32)
-        header[0] = _STEP
+        header = _header(_STEP, self.num_replicas)
         for i, plan in enumerate(plans):
             if plan is not None:
                 header[1 + 4 * i: 5 + 4 * i] = (1, *plan.bucket)
         _broadcast(header)
-        _broadcast([runner.step_inputs(plan) for runner, plan in zip(runners, plans) if plan is not None])
+        for runner, plan in zip(runners, plans):
+            if plan is not None:  # one broadcast per replica: its shapes depend on its bucket only
+                _broadcast(runner.step_inputs(plan))
+        self.last_sent = time.monotonic()
+
+    def keep_alive(self, force: bool = False) -> bool:
+        """Release the followers' wait if nothing was sent for keep_alive_seconds; returns whether sent."""
+        if not force and time.monotonic() - self.last_sent < self.keep_alive_seconds:
+            return False
+        _broadcast(_header(_IDLE, self.num_replicas))
+        self.last_sent = time.monotonic()
+        return True
 
     def stop(self) -> None:
-        header = np.zeros(1 + 4 * self.num_replicas, np.int32)
-        header[0] = _STOP
-        _broadcast(header)
+        _broadcast(_header(_STOP, self.num_replicas))
+
+
+def gather_outputs(runners: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """Every process calls this after launching a step, with the same active replicas in the same
+    order. Returns each replica's sampled outputs as host arrays on the leader (None on a follower
+    for a replica it need not read). A replica that has devices on process 0 is read there; one that
+    has none is sent to everyone by its first process."""
+    me, host = jax.process_index(), []
+    for runner, out in zip(runners, outs):
+        owners = _processes(runner.mesh)
+        if 0 in owners:
+            host.append(runner.to_host(out) if me in owners else None)
+        else:
+            source = me == min(owners)
+            host.append(_broadcast(runner.to_host(out) if source else _zeros_like(out), is_source=source))
+    return host
+
+
+def warm_up(runners: Sequence[Any]) -> None:
+    """Compile every broadcast serving can send: the header, each bucket's inputs and, for replicas
+    off process 0, each bucket's outputs. Every process calls it at the same point of start-up."""
+    runner = runners[0]  # all replicas share the buckets
+    _broadcast(_header(_STEP, len(runners)))
+    for bucket in runner.buckets.all():
+        _broadcast(runner.input_template(bucket))
+    if any(0 not in _processes(r.mesh) for r in runners):
+        for num_seqs in sorted({bucket[1] for bucket in runner.buckets.all()}):
+            _broadcast(runner.output_template(num_seqs))
 
 
 def follow(engine: Any) -> int:
@@ -73,13 +131,15 @@ def follow(engine: Any) -> int:
     runners = [r.runner for r in engine.replicas]
     steps = 0
     while True:
-        header = np.asarray(_broadcast(np.zeros(1 + 4 * len(runners), np.int32)))
+        header = np.asarray(_broadcast(_header(0, len(runners))))
         if header[0] == _STOP:
             return steps
+        if header[0] == _IDLE:
+            continue
         active = [(runner, tuple(int(x) for x in header[2 + 4 * i: 5 + 4 * i]))
                   for i, runner in enumerate(runners) if header[1 + 4 * i]]
-        inputs = _broadcast([runner.input_template(bucket) for runner, bucket in active])
-        outs = [runner.launch_inputs(bucket, jax.tree.map(np.asarray, x)) for (runner, bucket), x in zip(active, inputs)]
-        for (runner, _), out in zip(active, outs):
-            runner.fetch(out)  # keep pace with the leader
+        # Receive every replica's inputs before launching any, in the leader's order.
+        inputs = [_broadcast(runner.input_template(bucket)) for runner, bucket in active]
+        outs = [runner.launch_inputs(bucket, x) for (runner, bucket), x in zip(active, inputs)]
+        gather_outputs([runner for runner, _ in active], outs)  # also keeps pace with the leader
         steps += 1

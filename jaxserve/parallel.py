@@ -181,7 +181,8 @@ def shard_params(params: dict[str, np.ndarray], mesh: Mesh, dtype: Any) -> dict[
         def shard(index, host=host):
             return np.asarray(host[index], dtype)
 
-        out[name] = jax.make_array_from_callback(host.shape, sharding, shard)
+        # dtype given: on a multi-host mesh a process may hold no shard of this replica.
+        out[name] = jax.make_array_from_callback(host.shape, sharding, shard, dtype=np.dtype(dtype))
     return out
 
 

@@ -77,11 +77,21 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    def on_fatal(exc: BaseException) -> None:  # from the engine thread (multi-host step failure)
+        fatal.append(exc)
+        loop.call_soon_threadsafe(stop.set)
+
+    fatal: list[BaseException] = []
     t0 = time.perf_counter()
-    load = loop.run_in_executor(None, lambda: AsyncEngine(config))
+    load = loop.run_in_executor(None, lambda: AsyncEngine(config, on_fatal=on_fatal))
     done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     status = 0
-    if load in done and load.exception() is not None:
+    if load not in done:
+        # Loading cannot be interrupted; wait for it so that the engine (and, multi-host, the
+        # followers waiting for the first step) is shut down properly.
+        log.info("stop requested while loading: shutting down once the model is loaded")
+        await asyncio.wait([load])
+    if load.exception() is not None:
         log.error("cannot start: %s", load.exception())
         status = 2
     elif load in done:
@@ -93,13 +103,20 @@ async def serve(args: argparse.Namespace) -> int:
                  config.page_size, e.runner.kv_cache_bytes / 2**30, len(e.buckets.all()), e.runner.compile_seconds)
         await set_health(health, True)
         await stop.wait()
-        log.info("shutting down: no new requests; %d in flight get %.0f s", engine.num_in_flight, args.grace_period)
         engine.accepting = False
         await set_health(health, False)
-        deadline = time.monotonic() + args.grace_period
-        while engine.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if fatal:
+            log.error("the engine stopped: %s", fatal[0])
+            status = 1
+        else:
+            log.info("shutting down: no new requests; %d in flight get %.0f s", engine.num_in_flight,
+                     args.grace_period)
+            deadline = time.monotonic() + args.grace_period
+            while engine.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         engine.shutdown()
+    else:
+        load.result().shutdown()
     await grpc_server.stop(1.0)
     http.should_exit = True
     await http_task

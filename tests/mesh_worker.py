@@ -26,9 +26,9 @@ from jaxserve.loading.orbax_checkpoint import restore_params, save_params  # noq
 PROMPTS = [[1, 54, 198, 214, 72, 30], list(range(5, 45)), [17, 3, 99], list(range(100, 119))]
 
 
-def start(model: str | None, mesh: str) -> LLM:
+def start(model: str | None, mesh: str, compile_ahead: bool = False) -> LLM:
     return LLM(model=model, mesh=mesh, max_num_seqs=8, max_num_batched_tokens=32, num_pages=48,
-               max_model_len=128, compile_ahead=False, show_progress=False)
+               max_model_len=128, compile_ahead=compile_ahead, show_progress=False)
 
 
 def run_mesh(llm: LLM) -> dict:
@@ -53,6 +53,7 @@ def run_mesh(llm: LLM) -> dict:
         logprobs=[[{str(k): v for k, v in lp.items()} for lp in o.outputs[0].logprobs] for o in outs],
         shardings_ok=shardings_ok,
         replica_devices=[[str(d) for d in r.runner.mesh.devices.flat] for r in engine.replicas],
+        requests_per_replica=[r.num_requests for r in engine.replicas],
         param_bytes_per_device=param_bytes,
         kv_bytes_per_device=parallel.per_device_bytes([runner.kv_cache]),
         total_param_bytes=int(sum(a.nbytes for a in runner.model.param_arrays().values())),

@@ -4,6 +4,7 @@ preemption, aborts, and no compilation after warm-up."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -202,3 +203,70 @@ def test_async_engine_streams_and_abort_frees_pages(llm_default):
         llm_default.engine.check_invariants()
     finally:
         engine.shutdown()
+
+
+class RecordingFollowers:
+    """Stands in for distributed.StepBroadcaster: counts what the leader would send."""
+
+    def __init__(self):
+        self.steps = self.keep_alives = self.stops = 0
+
+    def send(self, runners, plans) -> None:
+        self.steps += 1
+
+    def keep_alive(self) -> None:
+        self.keep_alives += 1
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+def test_multihost_leader_loop_keeps_followers_alive_stops_them_and_dies_on_a_failed_step(llm_default, monkeypatch):
+    from jaxserve.engine.async_engine import EngineDeadError
+
+    core = llm_default.engine
+    followers = RecordingFollowers()
+    monkeypatch.setattr(core, "broadcaster", followers)
+    monkeypatch.setattr(core, "multihost", True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def collect(engine):
+        return [out async for out in engine.generate("Hello there", params)]
+
+    engine = AsyncEngine(engine=core)
+    outs = asyncio.run(collect(engine))
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    assert followers.steps >= 4  # every step was announced
+    deadline = time.monotonic() + 5
+    while followers.keep_alives == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert followers.keep_alives > 0  # the idle loop offers keep-alives (the broadcaster rate-limits them)
+    engine.shutdown()
+    assert followers.stops == 1  # sent by the engine thread as it ends
+
+    fatal = []
+    engine = AsyncEngine(engine=core, on_fatal=fatal.append)
+
+    def failing_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(core, "step", failing_step)
+    with pytest.raises(RuntimeError, match="engine step failed: device lost"):
+        asyncio.run(collect(engine))
+    engine._thread.join(5)
+    assert not engine._thread.is_alive() and len(fatal) == 1 and not engine.accepting
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(engine))
+    assert followers.stops == 1  # no STOP after a failed step: the followers may be mid-step
+    assert not core.has_unfinished()
+    core.check_invariants()
+    engine.shutdown()
+
+
+def test_step_broadcaster_keep_alive_is_rate_limited():
+    from jaxserve.distributed import StepBroadcaster
+
+    b = StepBroadcaster(1, keep_alive_seconds=0.2)  # one process: the broadcasts return at once
+    assert not b.keep_alive()
+    time.sleep(0.25)
+    assert b.keep_alive() and not b.keep_alive()

@@ -18,18 +18,24 @@ WORKER = Path(__file__).with_name("mesh_worker.py")
 MESHES = ["1x1", "1x2", "1x4", "2x2", "1x8"]
 
 
+def worker_env() -> dict[str, str]:
+    """The workers set their own device count; CPU only, whatever this machine has."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 def run_worker(model: str, meshes: list[str], tmp_path: Path) -> dict:
     out = tmp_path / "mesh.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, str(WORKER), model, str(out), *meshes], env=env,
+    proc = subprocess.run([sys.executable, str(WORKER), model, str(out), *meshes], env=worker_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-def check_equal_to_1x1(results: dict) -> None:
+def check_equal_to_1x1(results: dict, meshes: list[str] = MESHES[1:]) -> None:
     base = results["meshes"]["1x1"]
-    for mesh in MESHES[1:]:
+    for mesh in meshes:
         r = results["meshes"][mesh]
         assert "error" not in r, r
         assert r["tokens"] == base["tokens"], mesh
@@ -43,6 +49,7 @@ def check_equal_to_1x1(results: dict) -> None:
         data, model = parallel.parse_mesh(mesh)
         assert len(r["replica_devices"]) == data and all(len(d) == model for d in r["replica_devices"])
         assert len({d for ds in r["replica_devices"] for d in ds}) == data * model  # replicas share no device
+        assert all(n > 0 for n in r["requests_per_replica"]), r["requests_per_replica"]  # every replica served
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +74,14 @@ def test_default_model_meshes_match_1x1(default_results):
 def test_tiny_qwen3_meshes_match_1x1(qwen3_results):
     check_equal_to_1x1(qwen3_results)
     assert qwen3_results["meshes"]["1x2"]["served_heads"] == [4, 2]  # divisible: no re-layout
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral_swa"])
+def test_biases_and_sliding_window_on_a_mesh(arch, tiny_checkpoints, tmp_path):
+    """Qwen2's q/k/v biases are split with their columns; Mistral's 16-token window holds per shard
+    (the 40-token prompt reaches past it)."""
+    results = run_worker(str(tiny_checkpoints[arch]), ["1x1", "1x2", "2x2"], tmp_path)
+    check_equal_to_1x1(results, ["1x2", "2x2"])
 
 
 def per_device(r: dict, key: str) -> list[int]:
@@ -149,29 +164,125 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_share_one_mesh(default_results, tmp_path):
-    """jax.distributed over two localhost processes (gloo CPU collectives): a 1x4 mesh spanning
-    both, process 0 scheduling and broadcasting each step, greedy tokens equal to 1x1."""
+MULTIHOST_MESHES = ["1x4", "2x2", "1x1"]
+
+
+def run_two_processes(tmp_path: Path) -> tuple[list[int], list[str]]:
     worker = Path(__file__).with_name("multihost_worker.py")
-    port, out = str(free_port()), tmp_path / "leader.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(i), port, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (1, 0)]
+    port = str(free_port())
+    logs = [tmp_path / f"process{i}.log" for i in (0, 1)]
+    procs = []
+    for i in (1, 0):  # output to files: neither process can block on a full pipe
+        with open(logs[i], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(worker), str(i), port, str(tmp_path),
+                                           *MULTIHOST_MESHES], env=worker_env(), stdout=log,
+                                          stderr=subprocess.STDOUT))
     try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
+        codes = [p.wait(timeout=600) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    result = json.loads(out.read_text())
-    assert sorted(result["devices"]) == [0, 0, 1, 1]  # the mesh spans both processes
-    assert result["tokens"] == default_results["meshes"]["1x1"]["tokens"]
-    assert "follower ran" in logs[0]
+    return codes[::-1], [log.read_text() for log in logs]
+
+
+def test_two_processes_share_one_mesh(default_results, tmp_path):
+    """jax.distributed over two localhost processes (gloo CPU collectives), 2 CPU devices each,
+    process 0 scheduling and broadcasting each step: a 1x4 mesh over both; a 2x2 mesh whose second
+    replica lives on process 1 alone (its sampled ids come back to the leader); a 1x1 mesh the
+    follower holds no device of. Greedy tokens equal to the single-process 1x1 run."""
+    codes, logs = run_two_processes(tmp_path)
+    if any(codes) and any("Failed to add port" in log for log in logs):
+        codes, logs = run_two_processes(tmp_path)  # the free port was taken before the coordinator bound it
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    leader = json.loads((tmp_path / "process0.json").read_text())
+    follower = json.loads((tmp_path / "process1.json").read_text())
+    assert leader["1x4"]["replica_processes"] == [[0, 0, 1, 1]]
+    assert leader["2x2"]["replica_processes"] == [[0, 0], [1, 1]]
+    assert leader["2x2"]["requests_per_replica"] == [2, 2]
+    assert leader["1x1"]["replica_processes"] == [[0]]
+    for mesh in MULTIHOST_MESHES:
+        assert leader[mesh]["tokens"] == default_results["meshes"]["1x1"]["tokens"], mesh
+        assert leader[mesh]["compiles_after_warmup"] == 0, mesh  # the broadcasts were compiled ahead too
+        assert follower[mesh]["steps"] > 0, mesh
 
 
 def test_server_refuses_a_mesh_the_devices_cannot_form():
     proc = subprocess.run([sys.executable, "-m", "jaxserve.serve", "--mesh", "2x4", "--grpc-port", str(free_port()),
                            "--http-port", str(free_port())], capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env=worker_env())
     assert proc.returncode == 2
     assert "cannot start: mesh '2x4' needs 8 devices, but only 1 CPU device(s) are visible" in proc.stderr
+
+
+def start_multihost_servers(tmp_path: Path, name: str) -> tuple[list[subprocess.Popen], list[Path], int]:
+    """`python -m jaxserve.serve` as leader and follower of a 1x4 mesh (2 CPU devices each)."""
+    port, http_port = free_port(), free_port()
+    env = {**worker_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs, logs = [], []
+    for pid in (1, 0):
+        log = tmp_path / f"{name}{pid}.log"
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jaxserve.serve", "--mesh", "1x4", "--coordinator-address",
+                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
+                 "--grpc-port", str(free_port()), "--http-port", str(http_port), "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "16", "--max-model-len", "128", "--num-pages", "32",
+                 "--compilation-cache-dir", str(tmp_path / "xla")], env=env, stdout=f, stderr=subprocess.STDOUT))
+        logs.append(log)
+    return procs[::-1], logs[::-1], http_port  # [leader, follower]
+
+
+def test_multihost_server_serves_and_both_processes_stop_on_sigterm(default_results, tmp_path):
+    import signal
+    import time
+    import urllib.request
+
+    from jaxserve.loading import load_tokenizer
+
+    (leader, follower), logs, http_port = start_multihost_servers(tmp_path, "serve")
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert leader.poll() is None and follower.poll() is None, logs[0].read_text()[-3000:]
+            assert time.time() < deadline, "the leader did not become healthy"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        prompt = [1, 54, 198, 214, 72, 30]  # mesh_worker.PROMPTS[0]
+        body = json.dumps({"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            reply = json.loads(r.read())
+        want = load_tokenizer(None).decode(default_results["meshes"]["1x1"]["tokens"][0], skip_special_tokens=True)
+        assert reply["choices"][0]["text"] == want
+        assert reply["usage"]["completion_tokens"] == 10
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=120) == 0
+        assert follower.wait(timeout=120) == 0, logs[1].read_text()[-3000:]  # released by the leader's STOP
+        assert "leader stopped after" in logs[1].read_text()
+    finally:
+        leader.kill()
+        follower.kill()
+
+    # SIGTERM while the model is still loading: the leader finishes loading, then stops the follower.
+    (leader, follower), logs, _ = start_multihost_servers(tmp_path, "early")
+    try:
+        deadline = time.time() + 120
+        # Once the server logs "listening" its handler is installed and loading begins. (Before
+        # that, jax.distributed's own SIGTERM handler, a preemption notice, takes the signal.)
+        while "listening" not in logs[0].read_text():
+            assert leader.poll() is None and time.time() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.5)
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=300) == 0, logs[0].read_text()[-3000:]
+        assert follower.wait(timeout=120) == 0, logs[1].read_text()[-3000:]
+        assert "stop requested while loading" in logs[0].read_text()
+    finally:
+        leader.kill()
+        follower.kill()

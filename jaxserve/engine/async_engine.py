@@ -4,6 +4,10 @@ One thread owns the device and loops: apply pending aborts, run a step, hand eac
 to its asyncio queue. Submissions take a lock that the loop holds only around a step, so validation
 errors reach the caller directly; aborts are queued and applied before the next step, so a
 cancelled request's pages are free before anything else runs.
+
+Multi-host, the thread is also the only one that talks to the followers: it sends keep-alives while
+idle and STOP when it ends; a failed step is fatal there (the followers may be inside a step the
+leader abandoned), so the engine fails every request, stops and calls ``on_fatal``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine, RequestOutput
@@ -36,8 +40,10 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
-                 show_progress: bool = True):
+                 show_progress: bool = True, on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine or LLMEngine(config or EngineConfig(), show_progress=show_progress)
+        self.on_fatal = on_fatal
+        self.fatal_error: BaseException | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._aborts: deque[str] = deque()
@@ -87,13 +93,12 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self) -> None:
+        """Stop after the step in progress (the thread then releases any multi-host followers)."""
         self.accepting = False
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.engine.stop_followers()
+        self._thread.join()
 
     # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, request_id, sub_ids, prompt, params, priority, loop, queue) -> None:
@@ -105,6 +110,8 @@ class AsyncEngine:
             with self._count_lock:
                 self._pending_submits -= 1
         with _Held(self._lock):
+            if self._stopped:  # the loop is gone: nothing would ever serve this request
+                raise EngineDeadError("the engine has stopped")
             added = []
             try:
                 for i, rid in enumerate(sub_ids):
@@ -148,19 +155,39 @@ class AsyncEngine:
                     try:
                         outputs = self.engine.step()
                         self.step_count += 1
-                    except Exception as exc:  # report to the requests in flight, keep serving
+                    except Exception as exc:  # report to the requests in flight
                         log.exception("engine step failed")
                         for rid in list(self._streams):
                             self.engine.abort(rid)
                             self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
-                        outputs = []
+                        if self.engine.multihost:
+                            self._die(exc)
+                            return
+                        outputs = []  # single host: keep serving
                     for out in outputs:
                         self._deliver(out.request_id, out)
+                else:
+                    try:
+                        self.engine.keep_followers_alive()
+                    except Exception as exc:
+                        log.exception("multi-host keep-alive failed")
+                        self._die(exc)
+                        return
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
             while self._pending_submits and not self._stopped:
                 time.sleep(0.0002)  # a plain Lock is not fair: let submitters in between steps
+        with self._lock:
+            self.engine.stop_followers()
+
+    def _die(self, exc: BaseException) -> None:
+        log.error("multi-host step failed: the processes may be out of step, so the engine stops")
+        self.accepting = False
+        self._stopped = True
+        self.fatal_error = exc
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
 
 class _Held:

@@ -91,6 +91,7 @@ class Replica:
     prefix_cache: Any
     scheduler: Scheduler
     runner: ModelRunner
+    num_requests: int = 0  # routed here since start-up
 
     @property
     def load(self) -> int:
@@ -156,15 +157,21 @@ class LLMEngine:
                  "buckets T=%s P=%s", config.model or "default SmolLM2-135M-Instruct", cfg.architecture,
                  cfg.num_layers, config.dtype, config.mesh, num_pages, page_size,
                  self.runner.kv_cache_bytes / 2**30, self.buckets.token_buckets, self.buckets.page_buckets)
+        # Multi-host: every process runs this constructor; process 0 drives the others' steps.
+        self.multihost = jax.process_count() > 1
         if config.compile_ahead:
             for replica in self.replicas:
                 replica.runner.warmup(show_progress)
+            if self.multihost:
+                from jaxserve import distributed
+
+                distributed.warm_up([r.runner for r in self.replicas])
             for replica in self.replicas:  # the guard counts from the end of the whole warm-up
                 replica.runner.compiles_after_warmup_base = CompileCounter.count
             log.info("compiled %d step buckets in %.1f s", len(self.buckets.all()),
                      sum(r.runner.compile_seconds for r in self.replicas))
         self.broadcaster = None
-        if jax.process_count() > 1 and jax.process_index() == 0:
+        if self.multihost and jax.process_index() == 0:
             from jaxserve.distributed import StepBroadcaster
 
             self.broadcaster = StepBroadcaster(len(self.replicas))
@@ -203,6 +210,7 @@ class LLMEngine:
         replica = self._choose_replica(group_id)
         self._tracked[request_id] = _Tracked(req, text, detok, replica)
         replica.scheduler.add(req)
+        replica.num_requests += 1
         return req
 
     def _choose_replica(self, group_id: str | None) -> Replica:
@@ -239,7 +247,13 @@ class LLMEngine:
         launched = [(replica, plan, replica.runner.launch(plan))
                     for replica, plan in zip(self.replicas, plans) if plan is not None]
         t1 = time.perf_counter()
-        results = [(replica, plan, replica.runner.fetch(out)) for replica, plan, out in launched]
+        if self.multihost:  # a replica on other hosts' devices sends its outputs here
+            from jaxserve.distributed import gather_outputs
+
+            host = gather_outputs([r.runner for r, _, _ in launched], [out for _, _, out in launched])
+            results = [(r, plan, r.runner.unpack(h)) for (r, plan, _), h in zip(launched, host)]
+        else:
+            results = [(replica, plan, replica.runner.fetch(out)) for replica, plan, out in launched]
         t2 = time.perf_counter()
         # Host time (scheduling + input preparation + dispatch) against the whole step.
         self.step_timings.append((sum(len(p.seqs) for _, p, _ in results), sum(p.num_tokens for _, p, _ in results),
@@ -301,6 +315,11 @@ class LLMEngine:
         queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
                              req.num_cached_tokens, delta_text, delta_ids, queued)
+
+    def keep_followers_alive(self) -> None:
+        """Multi-host, while idle: let the followers' pending collective complete before it times out."""
+        if self.broadcaster is not None:
+            self.broadcaster.keep_alive()
 
     def stop_followers(self) -> None:
         """Multi-host: release the other processes from their follow() loops."""

@@ -150,11 +150,25 @@ class ModelRunner:
         self.kv_cache, out = fn(self.state, self.kv_cache, *inputs)
         return out
 
+    def output_template(self, num_seqs: int) -> SampleOutput:
+        """Zero host arrays shaped like the outputs of a step of num_seqs rows."""
+        abstract = jax.eval_shape(lambda: sample(jnp.zeros((num_seqs, self.model.cfg.vocab_size), jnp.float32),
+                                                 SamplingArrays(**empty_sampling_arrays(num_seqs, self.history_len))))
+        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+
     @staticmethod
-    def fetch(out: SampleOutput) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Wait for a launched step: sampled ids [S] and (token logprob, top ids, top logprobs)."""
-        out = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out)  # replicated: any copy
+    def to_host(out: SampleOutput) -> SampleOutput:
+        """Wait for a launched step and copy its (replicated) outputs from one of this process's devices."""
+        return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out)
+
+    @staticmethod
+    def unpack(out: SampleOutput) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Sampled ids [S] and (token logprob, top ids, top logprobs)."""
         return out.token_ids, (out.logprobs, out.top_ids, out.top_logprobs)
+
+    def fetch(self, out: SampleOutput) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Wait for a launched step: sampled ids [S] and (token logprob, top ids, top logprobs)."""
+        return self.unpack(self.to_host(out))
 
     def execute(self, plan: StepPlan) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         return self.fetch(self.launch(plan))
