@@ -11,6 +11,7 @@ CPU. Every broadcast shape is compiled once at start-up (``warm_up``), so servin
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -22,7 +23,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # Header kinds. IDLE is the leader's keep-alive: followers wait for the next header inside a
-# collective, and the CPU (gloo) collectives give up after 30 minutes without a partner.
+# collective, and XLA passes a timeout to every gloo operation (30 minutes in its source; not
+# waited out here).
 _STEP, _STOP, _IDLE = 1, 2, 3
 KEEP_ALIVE_SECONDS = 60.0
 
@@ -59,7 +61,7 @@ def _header(kind: int, num_replicas: int) -> np.ndarray:
     return header
 
 
-def _processes(mesh: Any) -> set[int]:
+def _process_indices(mesh: Any) -> set[int]:
     return {d.process_index for d in mesh.devices.flat}
 
 
@@ -86,9 +88,9 @@ class StepBroadcaster:
                 _broadcast(runner.step_inputs(plan))
         self.last_sent = time.monotonic()
 
-    def keep_alive(self, force: bool = False) -> bool:
+    def keep_alive(self) -> bool:
         """Release the followers' wait if nothing was sent for keep_alive_seconds; returns whether sent."""
-        if not force and time.monotonic() - self.last_sent < self.keep_alive_seconds:
+        if time.monotonic() - self.last_sent < self.keep_alive_seconds:
             return False
         _broadcast(_header(_IDLE, self.num_replicas))
         self.last_sent = time.monotonic()
@@ -103,15 +105,27 @@ def gather_outputs(runners: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
     order. Returns each replica's sampled outputs as host arrays on the leader (None on a follower
     for a replica it need not read). A replica that has devices on process 0 is read there; one that
     has none is sent to everyone by its first process."""
-    me, host = jax.process_index(), []
+    me, fetched = jax.process_index(), []
     for runner, out in zip(runners, outs):
-        owners = _processes(runner.mesh)
+        owners = _process_indices(runner.mesh)
         if 0 in owners:
-            host.append(runner.to_host(out) if me in owners else None)
+            fetched.append(runner.to_host(out) if me in owners else None)
         else:
             source = me == min(owners)
-            host.append(_broadcast(runner.to_host(out) if source else _zeros_like(out), is_source=source))
-    return host
+            fetched.append(_broadcast(runner.to_host(out) if source else _zeros_like(out), is_source=source))
+    return fetched
+
+
+def check_same_setup(runners: Sequence[Any]) -> None:
+    """Every process must build the same replicas, buckets and pool, or the broadcasts would wait
+    forever for shapes the others never send: compare a digest of them across processes."""
+    from jax.experimental import multihost_utils
+
+    r = runners[0]
+    setup = repr((len(runners), r.buckets.all(), r.history_len, r.kv_shape, r.model.cfg.vocab_size))
+    digest = np.frombuffer(hashlib.sha256(setup.encode()).digest()[:16], np.int32)
+    multihost_utils.assert_equal(digest, "the processes were started with different engine settings "
+                                         "(mesh, budgets, pages, model): give every process the same flags")
 
 
 def warm_up(runners: Sequence[Any]) -> None:
@@ -121,7 +135,7 @@ def warm_up(runners: Sequence[Any]) -> None:
     _broadcast(_header(_STEP, len(runners)))
     for bucket in runner.buckets.all():
         _broadcast(runner.input_template(bucket))
-    if any(0 not in _processes(r.mesh) for r in runners):
+    if any(0 not in _process_indices(r.mesh) for r in runners):
         for num_seqs in sorted({bucket[1] for bucket in runner.buckets.all()}):
             _broadcast(runner.output_template(num_seqs))
 
@@ -136,6 +150,8 @@ def follow(engine: Any) -> int:
             return steps
         if header[0] == _IDLE:
             continue
+        if header[0] != _STEP:
+            raise RuntimeError(f"unknown step header {header[0]} from the leader")
         active = [(runner, tuple(int(x) for x in header[2 + 4 * i: 5 + 4 * i]))
                   for i, runner in enumerate(runners) if header[1 + 4 * i]]
         # Receive every replica's inputs before launching any, in the leader's order.

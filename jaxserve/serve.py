@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -66,22 +67,22 @@ async def serve(args: argparse.Namespace) -> int:
     await grpc_server.start()
     app = build_http_app(get_engine, metrics, model_name, args.api_key, args.max_request_bytes)
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
-                                         lifespan="off"))
+                                         lifespan="off", timeout_graceful_shutdown=5))
     http.install_signal_handlers = lambda: None  # we handle SIGTERM ourselves
     http_task = asyncio.ensure_future(http.serve())
-    log.info("listening: gRPC %s:%d%s, HTTP http://%s:%d (loading the model)", args.host, args.grpc_port,
-             " (TLS)" if tls else "", args.host, args.http_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if _early_signal:  # arrived before the handlers above (multi-host start-up)
+        stop.set()
+    log.info("listening: gRPC %s:%d%s, HTTP http://%s:%d (loading the model)", args.host, args.grpc_port,
+             " (TLS)" if tls else "", args.host, args.http_port)
 
-    def on_fatal(exc: BaseException) -> None:  # from the engine thread (multi-host step failure)
-        fatal.append(exc)
+    def on_fatal(exc: BaseException) -> None:  # from the engine thread
         loop.call_soon_threadsafe(stop.set)
 
-    fatal: list[BaseException] = []
     t0 = time.perf_counter()
     load = loop.run_in_executor(None, lambda: AsyncEngine(config, on_fatal=on_fatal))
     done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -105,8 +106,7 @@ async def serve(args: argparse.Namespace) -> int:
         await stop.wait()
         engine.accepting = False
         await set_health(health, False)
-        if fatal:
-            log.error("the engine stopped: %s", fatal[0])
+        if engine.fatal_error is not None:
             status = 1
         else:
             log.info("shutting down: no new requests; %d in flight get %.0f s", engine.num_in_flight,
@@ -114,9 +114,9 @@ async def serve(args: argparse.Namespace) -> int:
             deadline = time.monotonic() + args.grace_period
             while engine.num_in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-        engine.shutdown()
+        await asyncio.to_thread(engine.shutdown)  # the step in progress may take a while
     else:
-        load.result().shutdown()
+        await asyncio.to_thread(load.result().shutdown)
     await grpc_server.stop(1.0)
     http.should_exit = True
     await http_task
@@ -135,18 +135,43 @@ def follow(args: argparse.Namespace) -> int:
     return 0
 
 
+_early_signal = False
+
+
+def _exit_now(status: int) -> None:
+    """Multi-host failure: exit at once. A normal exit would wait at jax.distributed's shutdown
+    barrier (up to its 300 s default) for processes stuck in a collective. The coordination
+    service then stops the others: at once when the leader, which hosts it, goes (seen here);
+    after its heartbeat timeout (100 s default) when a follower goes."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import os
+    if not (args.coordinator_address or args.num_processes or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        return asyncio.run(serve(args))
+    from jaxserve import distributed
 
-    if args.coordinator_address or args.num_processes or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        from jaxserve import distributed
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    leader = distributed.is_leader()
+    if leader:
+        def remember(signum, frame):  # replaces jax.distributed's SIGTERM handler (a preemption notice)
+            global _early_signal
+            _early_signal = True
 
-        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-        if not distributed.is_leader():
-            return follow(args)
-    return asyncio.run(serve(args))
+        signal.signal(signal.SIGTERM, remember)
+    try:
+        status = asyncio.run(serve(args)) if leader else follow(args)
+    except Exception:
+        log.exception("this multi-host process failed")
+        _exit_now(1)
+    if status != 0:
+        _exit_now(status)
+    return status
 
 
 if __name__ == "__main__":

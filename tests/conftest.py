@@ -36,6 +36,10 @@ def make_tiny_checkpoint(name: str, root: Path) -> Path:
     cfg = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # HF initialises biases to zero, which would test nothing of them
+        for pname, p in model.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0.0, 0.2)
     path = root / name
     model.save_pretrained(path)
     # The tiny models carry the default model's tokenizer (ids < 256 decode fine), as a served

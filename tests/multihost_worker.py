@@ -31,9 +31,11 @@ def main() -> None:
         llm = start(None, mesh, compile_ahead=True)  # also compiles the broadcasts ahead
         engine = llm.engine
         if not distributed.is_leader():
-            results[mesh] = {"steps": distributed.follow(engine)}
+            steps = distributed.follow(engine)
+            results[mesh] = {"steps": steps, "compiles_after_warmup": engine.compiles_after_warmup}
             continue
-        engine.broadcaster.keep_alive(force=True)  # what an idle server sends
+        engine.broadcaster.keep_alive_seconds = 0
+        engine.keep_followers_alive()  # what an idle server sends
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         engine.stop_followers()

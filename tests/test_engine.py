@@ -234,16 +234,20 @@ def test_multihost_leader_loop_keeps_followers_alive_stops_them_and_dies_on_a_fa
         return [out async for out in engine.generate("Hello there", params)]
 
     engine = AsyncEngine(engine=core)
-    outs = asyncio.run(collect(engine))
-    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
-    assert followers.steps >= 4  # every step was announced
-    deadline = time.monotonic() + 5
-    while followers.keep_alives == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert followers.keep_alives > 0  # the idle loop offers keep-alives (the broadcaster rate-limits them)
-    engine.shutdown()
+    try:
+        outs = asyncio.run(collect(engine))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+        assert followers.steps >= 4  # every step was announced
+        deadline = time.monotonic() + 5
+        while followers.keep_alives == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert followers.keep_alives > 0  # the idle loop offers keep-alives (the broadcaster rate-limits them)
+    finally:
+        engine.shutdown()
     assert followers.stops == 1  # sent by the engine thread as it ends
 
+    followers = RecordingFollowers()  # stop_followers() dropped the first one
+    monkeypatch.setattr(core, "broadcaster", followers)
     fatal = []
     engine = AsyncEngine(engine=core, on_fatal=fatal.append)
 
@@ -251,22 +255,55 @@ def test_multihost_leader_loop_keeps_followers_alive_stops_them_and_dies_on_a_fa
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(core, "step", failing_step)
-    with pytest.raises(RuntimeError, match="engine step failed: device lost"):
-        asyncio.run(collect(engine))
-    engine._thread.join(5)
-    assert not engine._thread.is_alive() and len(fatal) == 1 and not engine.accepting
-    with pytest.raises(EngineDeadError):
-        asyncio.run(collect(engine))
-    assert followers.stops == 1  # no STOP after a failed step: the followers may be mid-step
-    assert not core.has_unfinished()
-    core.check_invariants()
-    engine.shutdown()
+    try:
+        with pytest.raises(RuntimeError, match="engine step failed: device lost"):
+            asyncio.run(collect(engine))
+        engine._thread.join(5)
+        assert not engine._thread.is_alive() and len(fatal) == 1 and not engine.accepting
+        assert str(engine.fatal_error) == "device lost"
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(engine))
+        assert followers.stops == 0  # no STOP after a failed step: the followers may be mid-step
+        assert not core.has_unfinished()
+        core.check_invariants()
+    finally:
+        engine.shutdown()
 
 
-def test_step_broadcaster_keep_alive_is_rate_limited():
-    from jaxserve.distributed import StepBroadcaster
+def test_shutdown_fails_requests_still_running(llm_default):
+    """Past the grace period the server shuts the engine down: what still runs gets an error, not silence."""
+    from jaxserve.engine.async_engine import EngineDeadError
 
-    b = StepBroadcaster(1, keep_alive_seconds=0.2)  # one process: the broadcasts return at once
+    engine = AsyncEngine(engine=llm_default.engine)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        gen = engine.generate("A very long answer about", long)
+        await gen.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in gen:
+                pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert not llm_default.engine.has_unfinished()
+    llm_default.engine.check_invariants()
+
+
+def test_step_broadcaster_keep_alive_is_rate_limited(monkeypatch):
+    from jaxserve import distributed
+
+    now = [1000.0]
+    monkeypatch.setattr(distributed.time, "monotonic", lambda: now[0])
+    b = distributed.StepBroadcaster(1, keep_alive_seconds=60)  # one process: the broadcasts return at once
+    now[0] += 59
     assert not b.keep_alive()
-    time.sleep(0.25)
+    now[0] += 2
     assert b.keep_alive() and not b.keep_alive()
+    now[0] += 50
+    b.send([], [None])  # a step counts as contact too
+    now[0] += 20
+    assert not b.keep_alive()

@@ -177,12 +177,16 @@ def run_two_processes(tmp_path: Path) -> tuple[list[int], list[str]]:
             procs.append(subprocess.Popen([sys.executable, str(worker), str(i), port, str(tmp_path),
                                            *MULTIHOST_MESHES], env=worker_env(), stdout=log,
                                           stderr=subprocess.STDOUT))
+    follower, leader = procs
     try:
-        codes = [p.wait(timeout=600) for p in procs]
+        leader.wait(timeout=600)
+        if leader.returncode:  # the follower would wait minutes for a coordinator that is gone
+            follower.kill()
+        follower.wait(timeout=120)
     finally:
         for p in procs:
             p.kill()
-    return codes[::-1], [log.read_text() for log in logs]
+    return [leader.returncode, follower.returncode], [log.read_text() for log in logs]
 
 
 def test_two_processes_share_one_mesh(default_results, tmp_path):
@@ -204,6 +208,7 @@ def test_two_processes_share_one_mesh(default_results, tmp_path):
         assert leader[mesh]["tokens"] == default_results["meshes"]["1x1"]["tokens"], mesh
         assert leader[mesh]["compiles_after_warmup"] == 0, mesh  # the broadcasts were compiled ahead too
         assert follower[mesh]["steps"] > 0, mesh
+        assert follower[mesh]["compiles_after_warmup"] == 0, mesh
 
 
 def test_server_refuses_a_mesh_the_devices_cannot_form():
@@ -215,6 +220,7 @@ def test_server_refuses_a_mesh_the_devices_cannot_form():
 
 
 def start_multihost_servers(tmp_path: Path, name: str) -> tuple[list[subprocess.Popen], list[Path], int]:
+    # Each start gets its own compilation cache: the early-SIGTERM start must still be loading.
     """`python -m jaxserve.serve` as leader and follower of a 1x4 mesh (2 CPU devices each)."""
     port, http_port = free_port(), free_port()
     env = {**worker_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -227,7 +233,8 @@ def start_multihost_servers(tmp_path: Path, name: str) -> tuple[list[subprocess.
                  f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
                  "--grpc-port", str(free_port()), "--http-port", str(http_port), "--max-num-seqs", "4",
                  "--max-num-batched-tokens", "16", "--max-model-len", "128", "--num-pages", "32",
-                 "--compilation-cache-dir", str(tmp_path / "xla")], env=env, stdout=f, stderr=subprocess.STDOUT))
+                 "--compilation-cache-dir", str(tmp_path / f"xla-{name}")], env=env, stdout=f,
+                stderr=subprocess.STDOUT))
         logs.append(log)
     return procs[::-1], logs[::-1], http_port  # [leader, follower]
 
@@ -269,16 +276,15 @@ def test_multihost_server_serves_and_both_processes_stop_on_sigterm(default_resu
         leader.kill()
         follower.kill()
 
-    # SIGTERM while the model is still loading: the leader finishes loading, then stops the follower.
+    # SIGTERM during start-up: the leader finishes loading, then stops the follower.
     (leader, follower), logs, _ = start_multihost_servers(tmp_path, "early")
     try:
         deadline = time.time() + 120
-        # Once the server logs "listening" its handler is installed and loading begins. (Before
-        # that, jax.distributed's own SIGTERM handler, a preemption notice, takes the signal.)
-        while "listening" not in logs[0].read_text():
+        # Right after jax.distributed starts, before the server's own handlers exist (a window
+        # where jax's preemption handler used to swallow the signal).
+        while "process 0 of 2" not in logs[0].read_text():
             assert leader.poll() is None and time.time() < deadline, logs[0].read_text()[-3000:]
             time.sleep(0.1)
-        time.sleep(0.5)
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(timeout=300) == 0, logs[0].read_text()[-3000:]
         assert follower.wait(timeout=120) == 0, logs[1].read_text()[-3000:]

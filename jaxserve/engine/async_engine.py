@@ -6,8 +6,9 @@ errors reach the caller directly; aborts are queued and applied before the next 
 cancelled request's pages are free before anything else runs.
 
 Multi-host, the thread is also the only one that talks to the followers: it sends keep-alives while
-idle and STOP when it ends; a failed step is fatal there (the followers may be inside a step the
-leader abandoned), so the engine fails every request, stops and calls ``on_fatal``.
+idle and STOP when it ends. A failed step is fatal there (the followers may be inside a step the
+leader abandoned), as is any error outside a step anywhere: the engine then fails every request,
+stops and calls ``on_fatal``.
 """
 
 from __future__ import annotations
@@ -144,50 +145,57 @@ class AsyncEngine:
             pass
 
     def _loop(self) -> None:
-        while not self._stopped:
-            with self._lock:
-                while self._aborts:
-                    rid = self._aborts.popleft()
-                    self.engine.abort(rid)
-                    self._streams.pop(rid, None)
-                busy = self.engine.has_unfinished()
-                if busy:
-                    try:
-                        outputs = self.engine.step()
-                        self.step_count += 1
-                    except Exception as exc:  # report to the requests in flight
-                        log.exception("engine step failed")
-                        for rid in list(self._streams):
-                            self.engine.abort(rid)
-                            self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
-                        if self.engine.multihost:
-                            self._die(exc)
-                            return
-                        outputs = []  # single host: keep serving
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
-                else:
-                    try:
+        try:
+            while not self._stopped:
+                with self._lock:
+                    while self._aborts:
+                        rid = self._aborts.popleft()
+                        self.engine.abort(rid)
+                        self._streams.pop(rid, None)
+                    busy = self.engine.has_unfinished()
+                    if busy:
+                        try:
+                            outputs = self.engine.step()
+                            self.step_count += 1
+                        except Exception as exc:  # report to the requests in flight
+                            log.exception("engine step failed")
+                            self._fail_all(RuntimeError(f"engine step failed: {exc}"))
+                            if self.engine.multihost:
+                                raise  # the followers may be inside the step we abandoned
+                            outputs = []  # single host: keep serving
+                        for out in outputs:
+                            self._deliver(out.request_id, out)
+                    else:
                         self.engine.keep_followers_alive()
-                    except Exception as exc:
-                        log.exception("multi-host keep-alive failed")
-                        self._die(exc)
-                        return
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-            while self._pending_submits and not self._stopped:
-                time.sleep(0.0002)  # a plain Lock is not fair: let submitters in between steps
-        with self._lock:
-            self.engine.stop_followers()
+                if not busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                while self._pending_submits and not self._stopped:
+                    time.sleep(0.0002)  # a plain Lock is not fair: let submitters in between steps
+            with self._lock:
+                self._fail_all(EngineDeadError("the server is shutting down"))
+                self.engine.stop_followers()
+        except BaseException as exc:  # nothing may end this thread silently: requests would hang
+            self._die(exc)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Abort every request in flight (freeing its pages) and send it `error`. Lock held."""
+        for rid in list(self._streams):
+            self.engine.abort(rid)
+            self._deliver(rid, error)
 
     def _die(self, exc: BaseException) -> None:
-        log.error("multi-host step failed: the processes may be out of step, so the engine stops")
+        log.error("the engine stopped: %s: %s", type(exc).__name__, exc)
         self.accepting = False
         self._stopped = True
         self.fatal_error = exc
+        with self._lock:
+            self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
         if self.on_fatal is not None:
-            self.on_fatal(exc)
+            try:
+                self.on_fatal(exc)
+            except Exception:
+                log.exception("on_fatal failed")
 
 
 class _Held:

@@ -159,12 +159,14 @@ class LLMEngine:
                  self.runner.kv_cache_bytes / 2**30, self.buckets.token_buckets, self.buckets.page_buckets)
         # Multi-host: every process runs this constructor; process 0 drives the others' steps.
         self.multihost = jax.process_count() > 1
+        if self.multihost:
+            from jaxserve import distributed
+
+            distributed.check_same_setup([r.runner for r in self.replicas])
         if config.compile_ahead:
             for replica in self.replicas:
                 replica.runner.warmup(show_progress)
             if self.multihost:
-                from jaxserve import distributed
-
                 distributed.warm_up([r.runner for r in self.replicas])
             for replica in self.replicas:  # the guard counts from the end of the whole warm-up
                 replica.runner.compiles_after_warmup_base = CompileCounter.count
@@ -239,8 +241,12 @@ class LLMEngine:
         """One step of every replica: all are dispatched before any is waited on, so the
         replicas' devices run at the same time."""
         t0 = time.perf_counter()
+        if self.multihost and self.broadcaster is None:
+            # Followers released (or this is one): a step now would wait for them forever.
+            raise RuntimeError("multi-host: this process does not drive the followers (stopped, or not process 0)")
         plans = [replica.scheduler.schedule() for replica in self.replicas]
         if all(plan is None for plan in plans):
+            self.keep_followers_alive()
             return []
         if self.broadcaster is not None:  # multi-host: the followers launch the same steps
             self.broadcaster.send([r.runner for r in self.replicas], plans)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.engine.engine import QueueFullError, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import Metrics, RequestTimer
@@ -72,6 +72,8 @@ async def stream_outputs(
             yield out
     except QueueFullError as exc:
         raise Overloaded(str(exc)) from None
+    except EngineDeadError as exc:  # shutting down, or stopped by a fatal error
+        raise NotReady(str(exc)) from None
     except ValueError as exc:
         raise InvalidRequest(str(exc), field_of(str(exc))) from None
     finally:
