@@ -357,3 +357,17 @@ def test_api_key_and_tls(tmp_path):
 def _up(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_queue_time_is_observed_once_per_request_from_its_first_output():
+    """Every streamed output carries the queue time; a request counts once, even if later aborted."""
+    from jaxserve.server.metrics import Metrics, RequestTimer
+
+    metrics = Metrics()
+    timer = RequestTimer(metrics)
+    for queued in (None, 0.25, 0.25, 0.25):  # no output scheduled yet, then three outputs
+        timer.on_scheduled(queued)
+    timer.on_finish("abort", 0)
+    samples = {s.name: s.value for s in metrics.queue.collect()[0].samples}
+    assert samples["jaxserve:request_queue_time_seconds_count"] == 1
+    assert samples["jaxserve:request_queue_time_seconds_sum"] == 0.25

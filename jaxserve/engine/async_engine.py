@@ -66,11 +66,13 @@ class AsyncEngine:
         outputs arrive tagged with its index (outputs[0].index). Leaving the loop aborts the request."""
         if not self.accepting:
             raise EngineDeadError("the engine is shutting down")
+        arrival = time.monotonic()  # before waiting for the engine's lock: that wait is queueing too
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request_id or self.engine.new_request_id()
         sub_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        await loop.run_in_executor(None, self._submit, request_id, sub_ids, prompt, params, priority, loop, queue)
+        await loop.run_in_executor(None, self._submit, request_id, sub_ids, prompt, params, priority, loop, queue,
+                                   arrival)
         remaining = set(sub_ids)
         try:
             while remaining:
@@ -102,7 +104,7 @@ class AsyncEngine:
         self._thread.join()
 
     # ---- engine thread ----------------------------------------------------------------------
-    def _submit(self, request_id, sub_ids, prompt, params, priority, loop, queue) -> None:
+    def _submit(self, request_id, sub_ids, prompt, params, priority, loop, queue, arrival) -> None:
         with self._count_lock:
             self._pending_submits += 1
         try:
@@ -119,7 +121,8 @@ class AsyncEngine:
                     if rid in self._streams:
                         raise ValueError(f"request_id {rid!r} is already in use")
                     self.engine.add_request(rid, prompt, params, priority=priority, seed_offset=i,
-                                            group_id=request_id if len(sub_ids) > 1 else None)
+                                            group_id=request_id if len(sub_ids) > 1 else None,
+                                            arrival_time=arrival)
                     self._streams[rid] = _Stream(loop, queue, i)
                     added.append(rid)
             except BaseException:

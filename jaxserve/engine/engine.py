@@ -188,7 +188,8 @@ class LLMEngine:
         return f"req-{next(self._ids)}"
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    priority: int = 0, seed_offset: int = 0, group_id: str | None = None) -> Request:
+                    priority: int = 0, seed_offset: int = 0, group_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
         """Validate and queue one sequence. (n > 1 is expanded by the callers into n requests.)"""
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -207,7 +208,8 @@ class LLMEngine:
         if sum(len(r.scheduler.waiting) for r in self.replicas) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         seed = params.seed + seed_offset if params.seed is not None else int(self._rng.integers(2**31))
-        req = Request(request_id, ids, params, max_tokens, seed, self.eos_token_ids, priority, group_id=group_id)
+        req = Request(request_id, ids, params, max_tokens, seed, self.eos_token_ids, priority, group_id=group_id,
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         replica = self._choose_replica(group_id)
         self._tracked[request_id] = _Tracked(req, text, detok, replica)

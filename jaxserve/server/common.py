@@ -66,6 +66,7 @@ async def stream_outputs(
     done: dict[int, RequestOutput] = {}
     try:
         async for out in engine.generate(prompt, params, request_id=request_id, priority=priority):
+            timer.on_scheduled(out.queue_seconds)
             timer.on_tokens(len(out.delta_token_ids))
             if out.finished:
                 done[out.outputs[0].index] = out
@@ -79,4 +80,4 @@ async def stream_outputs(
     finally:
         first = next(iter(done.values()), None)
         reason = first.outputs[0].finish_reason if first and len(done) == params.n else "abort"
-        timer.on_finish(reason, len(first.prompt_token_ids) if first else 0, first.queue_seconds if first else None)
+        timer.on_finish(reason, len(first.prompt_token_ids) if first else 0)

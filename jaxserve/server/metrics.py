@@ -54,6 +54,13 @@ class RequestTimer:
         self.metrics = metrics
         self.start = time.monotonic()
         self.last: float | None = None
+        self.queued = False
+
+    def on_scheduled(self, queue_seconds: float | None) -> None:
+        """Queue time, once per request, from its first output (so requests aborted later count too)."""
+        if queue_seconds is not None and not self.queued:
+            self.queued = True
+            self.metrics.queue.observe(queue_seconds)
 
     def on_tokens(self, count: int) -> None:
         if count <= 0:
@@ -66,9 +73,7 @@ class RequestTimer:
         self.last = now
         self.metrics.generation_tokens.inc(count)
 
-    def on_finish(self, reason: str | None, prompt_tokens: int, queue_seconds: float | None = None) -> None:
+    def on_finish(self, reason: str | None, prompt_tokens: int) -> None:
         self.metrics.e2e.observe(time.monotonic() - self.start)
-        if queue_seconds is not None:
-            self.metrics.queue.observe(queue_seconds)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.requests.labels(finish_reason=reason or "abort").inc()
