@@ -292,3 +292,42 @@ def test_multihost_server_serves_and_both_processes_stop_on_sigterm(default_resu
     finally:
         leader.kill()
         follower.kill()
+
+
+SETUP_CHECK = """
+import sys
+from types import SimpleNamespace
+from jaxserve import distributed
+distributed.initialize("127.0.0.1:" + sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+pages = int(sys.argv[3])
+runner = SimpleNamespace(buckets=SimpleNamespace(all=lambda: [(16, 8, 8)]), history_len=128,
+                         kv_shape=(30, pages, 16, 6, 64), model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=49152)))
+try:
+    distributed.check_same_setup([runner])
+except AssertionError as e:
+    print("MISMATCH:", e)
+    sys.exit(3)
+print("SAME")
+"""
+
+
+@pytest.mark.parametrize("pages", [(48, 48), (48, 64)])
+def test_processes_started_with_different_settings_are_an_error(pages, tmp_path):
+    port = str(free_port())
+    logs = [tmp_path / f"p{i}.log" for i in (0, 1)]
+    procs = []
+    for i in (1, 0):
+        with open(logs[i], "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-c", SETUP_CHECK, port, str(i), str(pages[i])],
+                                          env=worker_env(), stdout=f, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    out = [log.read_text() for log in logs]
+    if pages[0] == pages[1]:
+        assert codes == [0, 0] and all("SAME" in o for o in out), out
+    else:
+        assert codes == [3, 3], out
+        assert all("different engine settings" in o for o in out), out

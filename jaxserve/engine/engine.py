@@ -258,8 +258,8 @@ class LLMEngine:
         if self.multihost:  # a replica on other hosts' devices sends its outputs here
             from jaxserve.distributed import gather_outputs
 
-            host = gather_outputs([r.runner for r, _, _ in launched], [out for _, _, out in launched])
-            results = [(r, plan, r.runner.unpack(h)) for (r, plan, _), h in zip(launched, host)]
+            fetched = gather_outputs([r.runner for r, _, _ in launched], [out for _, _, out in launched])
+            results = [(r, plan, r.runner.unpack(f)) for (r, plan, _), f in zip(launched, fetched)]
         else:
             results = [(replica, plan, replica.runner.fetch(out)) for replica, plan, out in launched]
         t2 = time.perf_counter()
