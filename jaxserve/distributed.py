@@ -116,16 +116,19 @@ def gather_outputs(runners: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
     return fetched
 
 
-def check_same_setup(runners: Sequence[Any]) -> None:
+def check_same_setup(runners: Sequence[Any], settings: Sequence[Any] = ()) -> None:
     """Every process must build the same replicas, buckets and pool, or the broadcasts would wait
-    forever for shapes the others never send: compare a digest of them across processes."""
+    forever for shapes the others never send: compare a digest of them (and of `settings`, such
+    as the mesh and dtype) across processes."""
     from jax.experimental import multihost_utils
 
     r = runners[0]
-    setup = repr((len(runners), r.buckets.all(), r.history_len, r.kv_shape, r.model.cfg.vocab_size))
+    devices = [sorted(d.id for d in runner.mesh.devices.flat) for runner in runners]
+    setup = repr((tuple(settings), devices, r.buckets.all(), r.history_len, r.kv_shape, r.model.cfg))
     digest = np.frombuffer(hashlib.sha256(setup.encode()).digest()[:16], np.int32)
     multihost_utils.assert_equal(digest, "the processes were started with different engine settings "
-                                         "(mesh, budgets, pages, model): give every process the same flags")
+                                         "(check the mesh, dtype, budgets, pages and model): give every "
+                                         "process the same flags")
 
 
 def warm_up(runners: Sequence[Any]) -> None:

@@ -115,6 +115,8 @@ async def serve(args: argparse.Namespace) -> int:
             while engine.num_in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         await asyncio.to_thread(engine.shutdown)  # the step in progress may take a while
+        if engine.fatal_error is not None:  # also what failed during the grace period or the STOP
+            status = 1
     else:
         await asyncio.to_thread(load.result().shutdown)
     await grpc_server.stop(1.0)
@@ -164,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             _early_signal = True
 
         signal.signal(signal.SIGTERM, remember)
+        log.info("SIGTERM handler installed")
     try:
         status = asyncio.run(serve(args)) if leader else follow(args)
-    except Exception:
+    except BaseException:  # SystemExit and KeyboardInterrupt too: never wait at the shutdown barrier
         log.exception("this multi-host process failed")
         _exit_now(1)
     if status != 0:

@@ -282,7 +282,7 @@ def test_multihost_server_serves_and_both_processes_stop_on_sigterm(default_resu
         deadline = time.time() + 120
         # Right after jax.distributed starts, before the server's own handlers exist (a window
         # where jax's preemption handler used to swallow the signal).
-        while "process 0 of 2" not in logs[0].read_text():
+        while "SIGTERM handler installed" not in logs[0].read_text():
             assert leader.poll() is None and time.time() < deadline, logs[0].read_text()[-3000:]
             time.sleep(0.1)
         leader.send_signal(signal.SIGTERM)
@@ -300,8 +300,10 @@ from types import SimpleNamespace
 from jaxserve import distributed
 distributed.initialize("127.0.0.1:" + sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
 pages = int(sys.argv[3])
-runner = SimpleNamespace(buckets=SimpleNamespace(all=lambda: [(16, 8, 8)]), history_len=128,
-                         kv_shape=(30, pages, 16, 6, 64), model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=49152)))
+import jax
+from jaxserve.parallel import make_mesh
+runner = SimpleNamespace(buckets=SimpleNamespace(all=lambda: [(16, 8, 8)]), history_len=128, mesh=make_mesh("1x1"),
+                         kv_shape=(30, pages, 16, 6, 64), model=SimpleNamespace(cfg="a model config"))
 try:
     distributed.check_same_setup([runner])
 except AssertionError as e:

@@ -184,21 +184,27 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         """Abort every request in flight (freeing its pages) and send it `error`. Lock held."""
         for rid in list(self._streams):
-            self.engine.abort(rid)
-            self._deliver(rid, error)
+            try:
+                self.engine.abort(rid)
+            finally:  # the caller hears of it even if the engine is broken
+                self._deliver(rid, error)
 
     def _die(self, exc: BaseException) -> None:
         log.error("the engine stopped: %s: %s", type(exc).__name__, exc)
         self.accepting = False
         self._stopped = True
         self.fatal_error = exc
-        with self._lock:
-            self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
-        if self.on_fatal is not None:
-            try:
-                self.on_fatal(exc)
-            except Exception:
-                log.exception("on_fatal failed")
+        try:
+            with self._lock:
+                self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+        except Exception:
+            log.exception("failing the requests in flight failed")
+        finally:
+            if self.on_fatal is not None:
+                try:
+                    self.on_fatal(exc)
+                except Exception:
+                    log.exception("on_fatal failed")
 
 
 class _Held:

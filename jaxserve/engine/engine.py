@@ -162,7 +162,7 @@ class LLMEngine:
         if self.multihost:
             from jaxserve import distributed
 
-            distributed.check_same_setup([r.runner for r in self.replicas])
+            distributed.check_same_setup([r.runner for r in self.replicas], (config.mesh, config.dtype))
         if config.compile_ahead:
             for replica in self.replicas:
                 replica.runner.warmup(show_progress)
