@@ -20,6 +20,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jaxserve.engine.runner import host_zeros
+
 log = logging.getLogger(__name__)
 
 # Header kinds. IDLE is the leader's keep-alive: followers wait for the next header inside a
@@ -65,10 +67,6 @@ def _process_indices(mesh: Any) -> set[int]:
     return {d.process_index for d in mesh.devices.flat}
 
 
-def _zeros_like(tree: Any) -> Any:
-    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), tree)
-
-
 class StepBroadcaster:
     """Leader side: sends each step's plans (one per replica, None where idle) to the followers."""
 
@@ -112,7 +110,7 @@ def gather_outputs(runners: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
             fetched.append(runner.to_host(out) if me in owners else None)
         else:
             source = me == min(owners)
-            fetched.append(_broadcast(runner.to_host(out) if source else _zeros_like(out), is_source=source))
+            fetched.append(_broadcast(runner.to_host(out) if source else host_zeros(out), is_source=source))
     return fetched
 
 

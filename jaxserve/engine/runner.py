@@ -27,6 +27,11 @@ from jaxserve.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
+def host_zeros(tree: Any) -> Any:
+    """Zero host arrays shaped like the arrays (or ShapeDtypeStructs) of `tree`."""
+    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), tree)
+
+
 class CompileCounter:
     """Counts XLA backend compilations process-wide (jax's monitoring events)."""
 
@@ -139,7 +144,7 @@ class ModelRunner:
         """Zero host arrays shaped like step_inputs of a plan in this bucket (what a multi-host
         follower receives the leader's plan into)."""
         _, _, tokens, md, logits_indices, samp = self._abstract_args(*bucket)
-        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), (tokens, md, logits_indices, samp))
+        return host_zeros((tokens, md, logits_indices, samp))
 
     def launch(self, plan: StepPlan) -> SampleOutput:
         """Dispatch one step and return without waiting for the device (its outputs are futures)."""
@@ -154,7 +159,7 @@ class ModelRunner:
         """Zero host arrays shaped like the outputs of a step of num_seqs rows."""
         abstract = jax.eval_shape(lambda: sample(jnp.zeros((num_seqs, self.model.cfg.vocab_size), jnp.float32),
                                                  SamplingArrays(**empty_sampling_arrays(num_seqs, self.history_len))))
-        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+        return host_zeros(abstract)
 
     @staticmethod
     def to_host(out: SampleOutput) -> SampleOutput:
