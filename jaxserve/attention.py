@@ -243,12 +243,19 @@ def ragged_paged_attention_split(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
+BACKENDS = ("auto", "xla", "pallas", "cpu", "xla-reference")
+
+
 def resolve_backend(backend: str) -> str:
-    """'auto' -> 'pallas' on TPU/GPU, 'xla' on CPU."""
-    if backend not in ("auto", "xla", "pallas", "xla-reference"):
-        raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {backend!r}")
+    """'auto' -> 'pallas' on TPU/GPU; on CPU the C++ kernel ('cpu'), or 'xla' where it cannot be built."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if backend == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
+        if jax.default_backend() != "cpu":
+            return "pallas"
+        from jaxserve import cpu_kernels
+
+        return "cpu" if cpu_kernels.available() else "xla"
     return backend
 
 
@@ -262,6 +269,8 @@ def get_attention_fn(backend: str) -> Any:
         return ragged_paged_attention_split
     if backend == "xla-reference":
         kernel = ragged_paged_attention_xla
+    elif backend == "cpu":
+        from jaxserve.cpu_kernels import ragged_paged_attention_cpu as kernel
     else:
         from jaxserve.pallas_kernels import ragged_paged_attention_pallas as kernel
 

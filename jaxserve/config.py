@@ -21,7 +21,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: float = 1.0  # GiB for the KV pool when num_pages is None
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto" | "xla" | "pallas" | "xla-reference" (the test oracle)
+    attention_backend: str = "auto"  # "auto" | "xla" | "pallas" | "cpu" | "xla-reference" (the test oracle)
     scheduler: str = "continuous"  # or "static"
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest prefix match)
     max_waiting: int = 1024  # bounded queue: past it, submissions are refused
@@ -51,8 +51,10 @@ class EngineConfig:
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {self.scheduler!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs', 'priority' or 'lpm', got {self.scheduling_policy!r}")
-        if self.attention_backend not in ("auto", "xla", "pallas", "xla-reference"):
-            raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {self.attention_backend!r}")
+        from jaxserve.attention import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {self.attention_backend!r}")
         from jaxserve.parallel import parse_mesh
 
         data, model = parse_mesh(self.mesh)  # whether the devices can form it is checked at start-up

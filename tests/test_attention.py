@@ -1,13 +1,20 @@
-"""Ragged paged attention: the XLA reference against dense float64 numpy, and the XLA serving path
-and the Pallas kernel (interpret mode) against the reference, on mixed decode + prefill batches."""
+"""Ragged paged attention: the XLA reference against dense float64 numpy, and the XLA serving path,
+the C++ CPU kernel and the Pallas kernel (interpret mode) against the reference, on mixed decode +
+prefill batches."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.attention import (ragged_paged_attention_split, ragged_paged_attention_xla, write_kv)
+from jaxserve.cpu_kernels import ragged_paged_attention_cpu
 from jaxserve.pallas_kernels import ragged_paged_attention_gpu
 
 
@@ -110,6 +117,38 @@ def test_pallas_gpu_kernel_interpret_matches_reference(case):
         assert rel(ours, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cpu_kernel_matches_reference(case):
+    args, _, _ = make_case(300 + case, *CASES[case])
+    for window, cap in ((None, None), (5, None), (None, 4.0), (3, 4.0)):
+        ref = ragged_paged_attention_xla(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap)
+        ours = jax.jit(lambda *a: ragged_paged_attention_cpu(*a, sm_scale=0.125, sliding_window=window,
+                                                             soft_cap=cap))(*args)
+        assert rel(ours, ref) <= 1e-5
+        assert float(jnp.abs(ours[-3:]).max()) == 0.0  # padding rows
+
+
+def test_cpu_kernel_many_sequences_over_threads():
+    """Enough work items (sequences x row tiles x KV heads) that the thread pool shares them."""
+    rng = np.random.default_rng(5)
+    specs = [(1, int(n)) for n in rng.integers(1, 300, 48)] + [(int(q), int(q) + int(c)) for q, c in
+                                                                 zip(rng.integers(2, 40, 8), rng.integers(0, 90, 8))]
+    args, _, _ = make_case(13, 9, 3, 64, 16, specs)
+    ref = ragged_paged_attention_xla(*args, sm_scale=0.125)
+    for _ in range(3):  # the split of work between threads differs between calls
+        assert rel(ragged_paged_attention_cpu(*args, sm_scale=0.125), ref) <= 1e-5
+
+
+def test_cpu_kernel_unavailable_falls_back_to_xla(tmp_path):
+    """Without a compiler, 'auto' serves through the XLA path instead of failing."""
+    env = {**os.environ, "JAXSERVE_CACHE_DIR": str(tmp_path), "CXX": "false", "JAX_PLATFORMS": "cpu"}
+    code = "from jaxserve.attention import resolve_backend; print(resolve_backend('auto'))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "xla"
+    assert "CPU attention kernel unavailable" in done.stderr
+
+
 def test_options_change_the_result():
     """Guards the tests above against a window or cap that silently does nothing."""
     args, _, _ = make_case(7, *CASES[1])
@@ -124,6 +163,8 @@ def test_bfloat16_within_stated_bound():
     assert rel(ragged_paged_attention_xla(*args, sm_scale=0.125), ref) <= 2e-2
     assert rel(ragged_paged_attention_split(*args, k_new=k_new, v_new=v_new, sm_scale=0.125), ref) <= 2e-2
     assert rel(ragged_paged_attention_gpu(*args, sm_scale=0.125, interpret=True), ref) <= 2e-2
+    ours = ragged_paged_attention_cpu(*args, sm_scale=0.125)
+    assert ours.dtype == jnp.bfloat16 and rel(ours, ref) <= 2e-2
 
 
 def test_garbage_in_unused_pages_does_not_leak():
@@ -134,7 +175,8 @@ def test_garbage_in_unused_pages_does_not_leak():
     poisoned = pool.at[jnp.asarray(unused)].set(1e6)
     for fn in (ragged_paged_attention_xla,
                lambda *a, **k: ragged_paged_attention_split(*a, k_new=k_new, v_new=v_new, **k),
-               lambda *a, **k: ragged_paged_attention_gpu(*a, interpret=True, **k)):
+               lambda *a, **k: ragged_paged_attention_gpu(*a, interpret=True, **k),
+               ragged_paged_attention_cpu):
         a = fn(q, pool, kv_lens, tables, cu, ns, sm_scale=0.125)
         b = fn(q, poisoned, kv_lens, tables, cu, ns, sm_scale=0.125)
         assert rel(b, a) <= 1e-6

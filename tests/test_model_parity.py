@@ -71,6 +71,20 @@ def test_pallas_backend_through_the_engine_matches_hf(tiny_checkpoints):
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
+def test_xla_backend_through_the_engine_matches_hf(tiny_checkpoints):
+    """attention_backend="xla": the XLA serving path (what CPUs without a compiler use) in the engine."""
+    import transformers
+
+    from jaxserve import LLM
+
+    path = tiny_checkpoints["mistral_swa"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    prompt = list(range(3, 43))  # longer than the 16-token sliding window
+    llm = LLM(model=str(path), attention_backend="xla", **small_engine_options())
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
 def test_default_model_logits_match_hf(hf_default_model):
     tok = load_tokenizer(None)
     prompts = [tok(t).input_ids for t in ("The capital of France is",

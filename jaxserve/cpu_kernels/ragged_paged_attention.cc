@@ -1,0 +1,264 @@
+// Ragged paged attention for CPUs, called from XLA through jax's FFI.
+//
+// Same contract as jaxserve.attention.ragged_paged_attention_xla (the reference it is tested
+// against): q [T, H, D]; KV pool [N, page_size, 2*KVH, D] with K of head h at 2h and V at 2h+1;
+// kv_lens [S]; page_tables [S, P]; cu_q_lens [S+1]; num_seqs [1]. Row i of sequence s sits at KV
+// position kv_len - q_len + i and attends causally to its own sequence (optionally a sliding
+// window); padding rows come out as zeros.
+//
+// Why a kernel: XLA's CPU code for this gathers pages into temporaries and runs many tiny batched
+// dots; decode attention then cost a third of a decode step. Here each work item (one sequence,
+// up to kRowTile of its query rows, all heads) reads its pages in place, once and in order, with
+// its query vectors kept in L1, and the items are spread over XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRowTile = 8;  // query rows of one sequence per work item
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t x) {  // bfloat16 -> float32 is exact
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void FromFloat(float x, float* out) { *out = x; }
+inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, as XLA converts
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *out = static_cast<uint16_t>((u >> 16) | 0x40u);  // keep NaN a NaN
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *out = static_cast<uint16_t>(u >> 16);
+}
+
+struct WorkItem {
+  int32_t seq, row_begin, row_end;
+};
+
+template <typename T>
+struct Problem {
+  const T* q;
+  const T* kv;
+  const int32_t* kv_lens;
+  const int32_t* tables;
+  const int32_t* cu;
+  T* out;
+  int64_t heads, kv_heads, group, head_dim, page_size, table_width;
+  float scale;
+  int32_t window;  // 0: none
+  float soft_cap;  // 0: none
+};
+
+// One work item: rows [row_begin, row_end) of one sequence, every head. Its pages are read once,
+// in order (a token's K and V of all heads are one contiguous run), with an online softmax per
+// query vector, one page at a time. kD is the head size when known at compile time (else 0).
+template <typename T, int64_t kD>
+void RunItem(const Problem<T>& p, const WorkItem& w) {
+  const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, H = p.heads, PS = p.page_size;
+  const int64_t nrows = w.row_end - w.row_begin;
+  const int64_t nq = nrows * H;  // query vectors, row-major over (row, head)
+  const int64_t q_len = p.cu[w.seq + 1] - p.cu[w.seq];
+  const int64_t kv_len = p.kv_lens[w.seq];
+  const int32_t* table = p.tables + w.seq * p.table_width;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  // Per row: its KV position (the last key it sees) and the first key of its window.
+  int64_t first[kRowTile], last[kRowTile];
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+  for (int64_t r = 0; r < nrows; ++r) {
+    last[r] = kv_len - q_len + (w.row_begin + r - p.cu[w.seq]);
+    first[r] = p.window > 0 ? std::max<int64_t>(0, last[r] - p.window + 1) : 0;
+    lo = std::min(lo, first[r]);
+    hi = std::max(hi, last[r]);
+  }
+
+  thread_local std::vector<float> q, acc, m, l, s, kbuf, vbuf;
+  q.resize(nq * D);
+  acc.assign(nq * D, 0.0f);
+  m.assign(nq, kNegInf);
+  l.assign(nq, 0.0f);
+  s.resize(PS);
+  for (int64_t i = 0; i < nq; ++i) {
+    const T* src = p.q + (w.row_begin * H + i) * D;
+    for (int64_t d = 0; d < D; ++d) q[i * D + d] = ToFloat(src[d]) * p.scale;
+  }
+  if constexpr (!std::is_same_v<T, float>) {
+    kbuf.resize(PS * D);
+    vbuf.resize(PS * D);
+  }
+  const int64_t kv_stride = 2 * p.kv_heads * D;  // between consecutive tokens of a page
+
+  for (int64_t page_idx = lo / PS; page_idx * PS <= hi; ++page_idx) {
+    const int64_t base = page_idx * PS;
+    const int64_t n = std::min<int64_t>(PS, hi + 1 - base);
+    const T* page = p.kv + static_cast<int64_t>(table[page_idx]) * PS * kv_stride;
+    for (int64_t kh = 0; kh < p.kv_heads; ++kh) {
+      const float* k;
+      const float* v;
+      int64_t stride;
+      if constexpr (std::is_same_v<T, float>) {
+        k = page + 2 * kh * D;
+        v = k + D;
+        stride = kv_stride;
+      } else {
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            kbuf[j * D + d] = ToFloat(page[j * kv_stride + 2 * kh * D + d]);
+            vbuf[j * D + d] = ToFloat(page[j * kv_stride + (2 * kh + 1) * D + d]);
+          }
+        k = kbuf.data();
+        v = vbuf.data();
+        stride = D;
+      }
+      for (int64_t r = 0; r < nrows; ++r) {
+        // Keys this row sees in this page: [j0, j1).
+        const int64_t j0 = std::max<int64_t>(0, first[r] - base);
+        const int64_t j1 = std::min<int64_t>(n, last[r] + 1 - base);
+        if (j0 >= j1) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = r * H + kh * G + g;
+          const float* qi = q.data() + i * D;
+          float page_max = kNegInf;
+          for (int64_t j = j0; j < j1; ++j) {
+            const float* kj = k + j * stride;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
+            if (p.soft_cap > 0.0f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
+            s[j] = dot;
+            page_max = std::max(page_max, dot);
+          }
+          const float m_new = std::max(m[i], page_max);
+          const float alpha = std::exp(m[i] - m_new);  // 0 while nothing was seen (m = -inf)
+          float* ai = acc.data() + i * D;
+          if (alpha != 1.0f)
+            for (int64_t d = 0; d < D; ++d) ai[d] *= alpha;
+          float sum = 0.0f;
+          for (int64_t j = j0; j < j1; ++j) {
+            const float pj = std::exp(s[j] - m_new);
+            sum += pj;
+            const float* vj = v + j * stride;
+            for (int64_t d = 0; d < D; ++d) ai[d] += pj * vj[d];
+          }
+          l[i] = l[i] * alpha + sum;
+          m[i] = m_new;
+        }
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < nq; ++i) {
+    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    T* dst = p.out + (w.row_begin * H + i) * D;
+    for (int64_t d = 0; d < D; ++d) FromFloat(acc[i * D + d] * inv, dst + d);
+  }
+}
+
+template <typename T>
+void RunItem(const Problem<T>& p, const WorkItem& w) {
+  switch (p.head_dim) {  // the common head sizes get fully unrolled inner loops
+    case 64: return RunItem<T, 64>(p, w);
+    case 128: return RunItem<T, 128>(p, w);
+    default: return RunItem<T, 0>(p, w);
+  }
+}
+
+// Work items of the step, and the counters that hand them out. Shared with the pool's tasks by
+// shared_ptr: a task that starts after the call returned finds nothing left and touches nothing.
+template <typename T>
+struct Job {
+  Problem<T> problem;
+  std::vector<WorkItem> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
+      RunItem(problem, items[i]);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <ffi::DataType DT, typename T>
+ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
+                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
+                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                     int32_t sliding_window, float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+  const auto qd = q.dimensions();
+  const auto kd = kv.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || page_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("ragged paged attention: q must be [T, H, D], the pool [N, page, 2*KVH, D]");
+  auto job = std::make_shared<Job<T>>();
+  Problem<T>& p = job->problem;
+  p.q = reinterpret_cast<const T*>(q.untyped_data());
+  p.kv = reinterpret_cast<const T*>(kv.untyped_data());
+  p.kv_lens = kv_lens.typed_data();
+  p.tables = page_tables.typed_data();
+  p.cu = cu_q_lens.typed_data();
+  p.out = reinterpret_cast<T*>(out->untyped_data());
+  p.heads = qd[1];
+  p.head_dim = qd[2];
+  p.page_size = kd[1];
+  p.kv_heads = kd[2] / 2;
+  p.group = p.heads / p.kv_heads;
+  p.table_width = page_tables.dimensions()[1];
+  p.scale = sm_scale;
+  p.window = sliding_window;
+  p.soft_cap = soft_cap;
+  const int64_t T_rows = qd[0];
+  const int64_t S = kv_lens.dimensions()[0];
+  const int64_t real = std::min<int64_t>(num_seqs.typed_data()[0], S);
+
+  std::memset(out->untyped_data(), 0, T_rows * p.heads * p.head_dim * sizeof(T));
+  for (int64_t s = 0; s < real; ++s) {
+    const int64_t begin = p.cu[s], end = std::min<int64_t>(p.cu[s + 1], T_rows);
+    if (p.kv_lens[s] <= 0) continue;
+    for (int64_t r = begin; r < end; r += kRowTile)
+      job->items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(r),
+                            static_cast<int32_t>(std::min(r + kRowTile, end))});
+  }
+  const int64_t total = static_cast<int64_t>(job->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Drain(); });
+  job->Drain();
+  while (job->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define JAXSERVE_BIND                                        \
+  ffi::Ffi::Bind()                                           \
+      .Ctx<ffi::ThreadPool>()                                \
+      .Arg<ffi::AnyBuffer>()                                 \
+      .Arg<ffi::AnyBuffer>()                                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                          \
+      .Arg<ffi::Buffer<ffi::S32>>()                          \
+      .Arg<ffi::Buffer<ffi::S32>>()                          \
+      .Arg<ffi::Buffer<ffi::S32>>()                          \
+      .Attr<float>("sm_scale")                               \
+      .Attr<int32_t>("sliding_window")                       \
+      .Attr<float>("soft_cap")                               \
+      .Ret<ffi::AnyBuffer>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionF32, (Attention<ffi::F32, float>), JAXSERVE_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionBF16, (Attention<ffi::BF16, uint16_t>), JAXSERVE_BIND);
