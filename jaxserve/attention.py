@@ -9,8 +9,9 @@ the head axis (K of head h at 2h, V at 2h+1), as tpu-inference does: one DMA bri
 Page 0 is the null page; padding tokens write there and no sequence owns it.
 
 The XLA reference gathers, for every query token, a block of its own sequence's pages at a time
-and folds it into an online softmax. On CPU it is the serving path, and everywhere it is the
-oracle that the Pallas kernels are tested against.
+and folds it into an online softmax: the oracle that every kernel is tested against. CPUs serve
+through the C++ kernel of ``jaxserve.cpu_kernels``, or through ``ragged_paged_attention_split``
+below where that kernel cannot be built; TPUs and GPUs through ``jaxserve.pallas_kernels``.
 """
 
 from __future__ import annotations

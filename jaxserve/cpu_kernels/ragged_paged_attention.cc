@@ -49,6 +49,26 @@ inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, as XL
   *out = static_cast<uint16_t>(u >> 16);
 }
 
+// exp for x <= 0 (softmax weights), written so that the compiler vectorises the loops calling it:
+// a scalar libm call per score cost as much as the dot products. 2^n * e^r with n = round(x/ln 2),
+// |r| <= ln(2)/2 and a degree-6 polynomial for e^r (Cephes' expf coefficients): about 1 ulp.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38, still a normal float; below it the weight is noise
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2 in two parts (Cody-Waite)
+  float e = 1.9875691500e-4f;
+  e = e * r + 1.3981999507e-3f;
+  e = e * r + 8.3334519073e-3f;
+  e = e * r + 4.1665795894e-2f;
+  e = e * r + 1.6666665459e-1f;
+  e = e * r + 5.0000001201e-1f;
+  e = e * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
 struct WorkItem {
   int32_t seq, row_begin, row_end;
 };
@@ -61,7 +81,7 @@ struct Problem {
   const int32_t* tables;
   const int32_t* cu;
   T* out;
-  int64_t heads, kv_heads, group, head_dim, page_size, table_width;
+  int64_t heads, kv_heads, group, head_dim, page_size, table_width, num_pages;
   float scale;
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
@@ -89,6 +109,7 @@ void RunItem(const Problem<T>& p, const WorkItem& w) {
     lo = std::min(lo, first[r]);
     hi = std::max(hi, last[r]);
   }
+  hi = std::min(hi, p.table_width * PS - 1);  // a malformed length never reads past the table row
 
   thread_local std::vector<float> q, acc, m, l, s, kbuf, vbuf;
   q.resize(nq * D);
@@ -109,7 +130,9 @@ void RunItem(const Problem<T>& p, const WorkItem& w) {
   for (int64_t page_idx = lo / PS; page_idx * PS <= hi; ++page_idx) {
     const int64_t base = page_idx * PS;
     const int64_t n = std::min<int64_t>(PS, hi + 1 - base);
-    const T* page = p.kv + static_cast<int64_t>(table[page_idx]) * PS * kv_stride;
+    const int64_t page_id = table[page_idx];
+    if (page_id < 0 || page_id >= p.num_pages) continue;  // never read outside the pool
+    const T* page = p.kv + page_id * PS * kv_stride;
     for (int64_t kh = 0; kh < p.kv_heads; ++kh) {
       const float* k;
       const float* v;
@@ -152,9 +175,13 @@ void RunItem(const Problem<T>& p, const WorkItem& w) {
           if (alpha != 1.0f)
             for (int64_t d = 0; d < D; ++d) ai[d] *= alpha;
           float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
           for (int64_t j = j0; j < j1; ++j) {
-            const float pj = std::exp(s[j] - m_new);
-            sum += pj;
+            s[j] = ExpNonPositive(s[j] - m_new);
+            sum += s[j];
+          }
+          for (int64_t j = j0; j < j1; ++j) {
+            const float pj = s[j];
             const float* vj = v + j * stride;
             for (int64_t d = 0; d < D; ++d) ai[d] += pj * vj[d];
           }
@@ -219,6 +246,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   p.head_dim = qd[2];
   p.page_size = kd[1];
   p.kv_heads = kd[2] / 2;
+  p.num_pages = kd[0];
   p.group = p.heads / p.kv_heads;
   p.table_width = page_tables.dimensions()[1];
   p.scale = sm_scale;
