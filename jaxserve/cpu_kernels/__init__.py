@@ -47,8 +47,9 @@ def _library_path() -> Path:
 
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
                                      platform.machine().encode(), _cpu_fingerprint().encode()])).hexdigest()[:16]
-    root = Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
-    return root / "kernels" / f"ragged_paged_attention-{key}.so"
+    from jaxserve.loading import cache_root
+
+    return cache_root() / "kernels" / f"ragged_paged_attention-{key}.so"
 
 
 def build() -> Path:

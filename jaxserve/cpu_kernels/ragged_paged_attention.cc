@@ -232,8 +232,12 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                      int32_t sliding_window, float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
   const auto qd = q.dimensions();
   const auto kd = kv.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || page_tables.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("ragged paged attention: q must be [T, H, D], the pool [N, page, 2*KVH, D]");
+  if (qd.size() != 3 || kd.size() != 4 || page_tables.dimensions().size() != 2 || kd[3] != qd[2] ||
+      kd[2] < 2 || kd[2] % 2 != 0 || qd[1] % (kd[2] / 2) != 0)
+    return ffi::Error::InvalidArgument(
+        "ragged paged attention: q must be [T, H, D] and the pool [N, page, 2*KVH, D] with KVH dividing H");
+  if (q.element_type() != DT || kv.element_type() != DT || out->element_type() != DT)
+    return ffi::Error::InvalidArgument("ragged paged attention: q, the pool and the output must share this target's dtype");
   auto job = std::make_shared<Job<T>>();
   Problem<T>& p = job->problem;
   p.q = reinterpret_cast<const T*>(q.untyped_data());
@@ -258,7 +262,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
 
   std::memset(out->untyped_data(), 0, T_rows * p.heads * p.head_dim * sizeof(T));
   for (int64_t s = 0; s < real; ++s) {
-    const int64_t begin = p.cu[s], end = std::min<int64_t>(p.cu[s + 1], T_rows);
+    const int64_t begin = std::max<int64_t>(0, p.cu[s]), end = std::min<int64_t>(p.cu[s + 1], T_rows);
     if (p.kv_lens[s] <= 0) continue;
     for (int64_t r = begin; r < end; r += kRowTile)
       job->items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(r),

@@ -46,7 +46,8 @@ def resolve_dtype(dtype: str | Any) -> Any:
     return dtype
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """Where converted weights, tokenizers and built kernels are cached ($JAXSERVE_CACHE_DIR)."""
     return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
 
 
@@ -82,7 +83,7 @@ def load_weights(
         raise ValueError(f"model path {str(path)!r} does not exist")
     jdtype = resolve_dtype(dtype)
     dtype_name = jnp.dtype(jdtype).name
-    cache_dir = _cache_root() / "converted" / _cache_key(path, dtype_name)
+    cache_dir = cache_root() / "converted" / _cache_key(path, dtype_name)
     if use_cache and (cache_dir / "config.json").is_file():
         from jaxserve.loading.orbax_checkpoint import restore_params
 
@@ -115,7 +116,7 @@ def load_tokenizer(model: str | os.PathLike | None) -> Any:
     path = Path(model) if model is not None else default_model_path()
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path))
-    cache_dir = _cache_root() / "tokenizers" / _cache_key(path, "tok")
+    cache_dir = cache_root() / "tokenizers" / _cache_key(path, "tok")
     if (cache_dir / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache_dir))
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
