@@ -8,7 +8,9 @@ Interpret mode is slow, so the cases are few and each covers many features at on
 random batches add GQA ratios that are not powers of two and other mixes.
 The hardware-only code paths (the TPU kernel's strided K/V loads, Triton codegen) cannot run here;
 they are at least lowered for their platforms (Pallas -> Mosaic / Triton IR) in
-test_kernels_lower_for_their_hardware.
+test_kernels_lower_for_their_hardware, and the TPU kernel is compiled by the real Mosaic compiler
+in tests/test_tpu_compile.py. The TPU kernel's interpret-mode runs use kv_split="emulated": the
+strided path's index arithmetic on loaded values (the interpreter has no strided loads).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 
 from jaxserve.attention import ragged_paged_attention_xla
 from jaxserve.pallas_kernels import ragged_paged_attention_pallas
-from jaxserve.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+from jaxserve.pallas_kernels.ragged_paged_attention_gpu import aot_target, ragged_paged_attention_gpu
 from jaxserve.pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
 F32_TOL = 1e-5
@@ -264,15 +266,52 @@ def test_kernels_lower_for_their_hardware(shape, monkeypatch):
     args = (sds((tokens, kvh * g, d), dtype), sds((30 * 2000, ps, 2 * kvh, d), dtype), sds((seqs,), jnp.int32),
             sds((seqs, width), jnp.int32), sds((seqs + 1,), jnp.int32), sds((1,), jnp.int32))
     kw = dict(sm_scale=d ** -0.5, sliding_window=128, soft_cap=30.0)
-    assert "jaxserve_rpa_decode" in _lower_for(ragged_paged_attention_gpu, "cuda", args, kw)
+    with aot_target():  # jax >= 0.11 lowers for CUDA only against an (abstract) GPU device
+        assert "jaxserve_rpa_decode" in _lower_for(ragged_paged_attention_gpu, "cuda", args, kw)
     try:  # Mosaic lowering asks the default device for its TPU generation: pretend a v5e.
         from jax._src.pallas.mosaic import tpu_info
         monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
         monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
     except (ImportError, AttributeError):
         pytest.skip("this jax has no tpu_info hook to lower for TPU off-device")
-    text = _lower_for(functools.partial(ragged_paged_attention_tpu, kv_split="strided"), "tpu", args, kw)
+    # jax >= 0.11 reads the TPU generation from an abstract mesh's device instead (jax._src.tpu_info).
+    dev = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("aot",), abstract_device=dev)):
+        text = _lower_for(functools.partial(ragged_paged_attention_tpu, kv_split="strided"), "tpu", args, kw)
     assert "tpu_custom_call" in text
+
+
+# --- GPU kernel: the per-device tiles (GPU_BLOCKS), interpreted --------------------------------
+@pytest.mark.parametrize("case", [BF16_CASE, CASES[1]], ids=lambda c: c.name)
+def test_gpu_hopper_tile_interpret(case: Case):
+    """The Hopper table's tiles (bf16: block_q 64 for wgmma, block_kv 64; f32: block_q 32), interpreted."""
+    from jaxserve.pallas_kernels.ragged_paged_attention_gpu import gpu_blocks_for
+
+    b = gpu_blocks_for("NVIDIA H200")
+    args, kw = make_inputs(case)
+    bq = b.block_q_16bit if case.dtype == "bfloat16" else b.block_q_f32
+    out = ragged_paged_attention_gpu(*args, **kw, interpret=True, block_q=bq, block_kv=b.block_kv, split_tokens=64)
+    err = rel_err(out, ragged_paged_attention_xla(*args, **kw))
+    assert err <= (F32_TOL if case.dtype == "float32" else BF16_TOL), err
+    assert not np.asarray(out[real_rows(args):], np.float32).any()
+
+
+def test_gpu_block_sizes_fit_shared_memory():
+    """Defaults shrink to the device's shared memory; explicit sizes that cannot fit are an error
+    naming the setting, raised while tracing (before any compiler runs)."""
+    from jaxserve.pallas_kernels.ragged_paged_attention_gpu import _fit_blocks, gpu_blocks_for
+
+    h200, l4 = gpu_blocks_for("NVIDIA H200"), gpu_blocks_for("NVIDIA L4")
+    fit = functools.partial(_fit_blocks, rows_decode=16, num_warps=4, kind="test", dtype_name="x", kv_from="block_kv")
+    assert fit(block_q=None, block_kv=None, head_dim=128, itemsize=2, blocks=h200) == (64, 64)
+    assert fit(block_q=None, block_kv=None, head_dim=256, itemsize=4, blocks=h200) == (32, 32)  # clamped
+    assert fit(block_q=None, block_kv=None, head_dim=256, itemsize=4, blocks=l4) == (32, 16)  # 99 KB
+    with pytest.raises(ValueError, match="block_kv.*227 KB"):
+        fit(block_q=None, block_kv=512, head_dim=128, itemsize=2, blocks=h200)  # decode alone ~405 KB
+    args, kw = make_inputs(CASES[1])
+    with aot_target("NVIDIA H100 80GB HBM3"), pytest.raises(ValueError, match=r"pages_per_block=64 x page_size=16"):
+        jax.jit(functools.partial(ragged_paged_attention_gpu, **kw, pages_per_block=64)).trace(*args).lower(
+            lowering_platforms=("cuda",))
 
 
 def test_dispatcher_under_jit_and_layer_scan():
@@ -297,3 +336,89 @@ def test_dispatcher_under_jit_and_layer_scan():
     ref = run(ragged_paged_attention_xla)
     assert rel_err(out, ref) <= F32_TOL
     assert rel_err(out[0], out[1]) > 1e-2  # the layers really read different pages
+
+
+# --- TPU kernel: every K/V layout path of the page slabs, in interpret mode ------------------
+# The TPU interpreter cannot run Mosaic's sublane-strided loads or ref bitcasts, so these run the
+# kernel with kv_split="emulated": the same start/stride/word-half choices computed on loaded
+# values. The strided loads themselves are only compiled (tests/test_tpu_compile.py), not run.
+TPU_LAYOUT_CASES = [
+    # SmolLM2-like: 3 KV heads x group 3, head_dim 64, bf16: odd heads -> words straddle tokens
+    # (even/odd column order); block_q 16 -> 48 rows, decodes take the 32-row narrow window
+    (Case("smol_bf16_d64_kvh3", [1, 1, 7, 1], [20, 33, 40, 1], 16, 3, 3, 64, dtype="bfloat16",
+          garbage_ids=True), 16),
+    # head_dim 64, even KV heads, bf16: a [K|V] row is one half of a word
+    (Case("bf16_d64_kvh2_g4_swa", [1, 12, 1], [50, 30, 17], 16, 2, 4, 64, dtype="bfloat16",
+          sliding_window=20), 16),
+    # head_dim 64, odd heads, f32: stride-3 row loads
+    (Case("f32_d64_kvh3_cap", [2, 1, 9], [18, 40, 9], 16, 3, 2, 64, soft_cap=30.0), 8),
+    # head_dim 256 (Gemma-like), f32 and bf16: two 128-lane rows per K and per V
+    (Case("f32_d256_g2", [1, 6, 1], [35, 20, 64], 16, 2, 2, 256, sliding_window=24), 8),
+    (Case("bf16_d256_g2_cap", [1, 6, 1], [35, 20, 64], 16, 2, 2, 256, dtype="bfloat16", soft_cap=50.0), 16),
+    # many decodes in one q block (narrow windows at every offset) plus a chunk that needs the full block
+    (Case("f32_decodes_g4", [1] * 10 + [5], [3, 17, 16, 40, 1, 9, 33, 64, 2, 20, 30], 16, 2, 4, 64), 16),
+]
+
+
+@pytest.mark.parametrize("case,block_q", TPU_LAYOUT_CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_tpu_kernel_slab_layouts_interpret(case: Case, block_q: int):
+    args, kw = make_inputs(case)
+    out = ragged_paged_attention_tpu(*args, **kw, interpret=True, block_q=block_q, pages_per_block=2)
+    ref = ragged_paged_attention_xla(*args, **kw)
+    err = rel_err(out, ref)
+    print(f"tpu {case.name}: rel err {err:.2e}")
+    assert err <= (F32_TOL if case.dtype == "float32" else BF16_TOL), err
+    assert not np.asarray(out[real_rows(args):], np.float32).any(), "padding rows must be zero"
+
+
+def test_tpu_lane_dense_pool_and_row_write():
+    """The lane-dense pool [N, page*W, 128] (no relayout copies for head_dim 64 on TPU): the row
+    write gives the same bytes as write_kv on the 4-D pool, and the kernel reads it the same."""
+    from jaxserve.attention import write_kv
+    from jaxserve.pallas_kernels.ragged_paged_attention_tpu import pool_as_slabs, write_kv_rows
+
+    case = TPU_LAYOUT_CASES[0][0]
+    args, kw = make_inputs(case)
+    pool = args[1]
+    rng = np.random.default_rng(3)
+    t, kvh, d = 6, case.kv_heads, case.head_dim
+    k = jnp.asarray(rng.standard_normal((t, kvh, d)), pool.dtype)
+    v = jnp.asarray(rng.standard_normal((t, kvh, d)), pool.dtype)
+    slots = jnp.asarray([0, 17, 18, 31, 5 * 16 + 3, 2], jnp.int32)
+    want = pool_as_slabs(write_kv(pool, k, v, slots))
+    got = write_kv_rows(pool_as_slabs(pool), k, v, slots, case.page_size)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    a4 = ragged_paged_attention_tpu(*args, **kw, interpret=True, block_q=16, pages_per_block=2)
+    slab_args = (args[0], pool_as_slabs(pool), *args[2:])
+    a3 = ragged_paged_attention_tpu(*slab_args, **kw, interpret=True, block_q=16, pages_per_block=2,
+                                    pool_page_size=case.page_size)
+    np.testing.assert_array_equal(np.asarray(a3, np.float32), np.asarray(a4, np.float32))
+
+
+def test_tpu_limits_fail_early_with_the_setting_to_change(monkeypatch):
+    """Shapes Mosaic would reject deep in warm-up are refused by the planner, naming the setting."""
+    from jaxserve.pallas_kernels.ragged_paged_attention_tpu import check_tpu_limits, plan_tpu_launch
+
+    try:  # plan for a v5e (128 MiB VMEM, 1 MiB SMEM), as a deviceless compile would
+        from jax._src.pallas.mosaic import tpu_info
+        monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+        monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    except (ImportError, AttributeError):
+        pytest.skip("this jax has no tpu_info hook to plan for a TPU off-device")
+
+    with pytest.raises(ValueError, match="max_num_seqs"):  # 512 seqs x 8K ctx / page 16 = 2^18 entries
+        check_tpu_limits(num_heads=32, kv_heads=8, head_dim=128, page_size=16, max_num_seqs=512,
+                         max_model_len=8192, max_num_batched_tokens=512, dtype=jnp.bfloat16)
+    plan = check_tpu_limits(num_heads=32, kv_heads=8, head_dim=128, page_size=32, max_num_seqs=512,
+                            max_model_len=8192, max_num_batched_tokens=512, dtype=jnp.bfloat16)
+    assert plan.smem_bytes < 1024 * 1024
+    with pytest.raises(ValueError, match="head_dim"):
+        plan_tpu_launch(num_tokens=64, num_heads=8, kv_heads=2, head_dim=80, page_size=16, max_seqs=8,
+                        pages_per_seq=8, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="page_size"):  # 8 tokens x 1 row: half a bf16 tile
+        plan_tpu_launch(num_tokens=64, num_heads=8, kv_heads=1, head_dim=64, page_size=8, max_seqs=8,
+                        pages_per_seq=8, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
+    # block_q 256 of Llama-3-8B: the estimate raises the scoped VMEM limit past the 16/32 MiB default
+    big = plan_tpu_launch(num_tokens=512, num_heads=32, kv_heads=8, head_dim=128, page_size=16, max_seqs=64,
+                          pages_per_seq=128, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, block_q=256)
+    assert big.vmem_limit_bytes > 32 * 1024 * 1024 >= big.vmem_bytes // 2

@@ -48,10 +48,10 @@ def ragged_paged_attention_pallas(
     gpu_kw = {}
     if block_q is not None:
         gpu_kw["block_q"] = block_q
-    if block_kv is None and pages_per_block is not None:
-        block_kv = max(16, 1 << max(0, (pages_per_block * kv_pages.shape[1] - 1).bit_length()))  # pow2 for Triton
     if block_kv is not None:
         gpu_kw["block_kv"] = block_kv
+    elif pages_per_block is not None:  # the GPU kernel rounds it to a power of two and names it in errors
+        gpu_kw["pages_per_block"] = pages_per_block
     if split_tokens is not None:
         gpu_kw["split_tokens"] = split_tokens
     if platform == "cpu":

@@ -21,7 +21,9 @@ a vector gather, so the block size is independent of the page size. The pool is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +42,89 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Streaming multiprocessors by device kind: flash-decoding splits only until the grid fills the GPU.
-_SM_COUNTS = [("H200", 132), ("H100", 132), ("H800", 132), ("A100", 108), ("L40", 142), ("L4", 58)]
-_DEFAULT_SMS = 132
+@dataclass(frozen=True)
+class GpuBlocks:
+    """Block sizes and limits of one GPU kind (see docs/kernels.md for the reasoning)."""
+
+    shared_bytes: int  # opt-in shared memory per thread block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+    sms: int  # streaming multiprocessors: flash-decoding splits only until the grid fills them
+    cc: int  # compute capability (90: Hopper, wgmma available)
+    block_q_16bit: int  # prefill rows per program for bf16/f16 pools
+    block_q_f32: int  # ... for f32 pools (no tensor cores at HIGHEST precision: FMA, M free)
+    block_kv: int  # KV token slots per inner step, both kernels
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# First substring match of the device kind wins. Hopper: block_q 64 = one warpgroup's wgmma M
+# (block_q 32 compiles to mma.sync: XLA's compiler and Triton 3.9 for sm_90a, tests/test_gpu_compile.py);
+# block_kv 64 keeps the Llama-3 bf16 tiles at 54 KB (decode: 4 programs per SM) and 80 KB (prefill).
+# f32 runs on FMA at HIGHEST precision, so a bigger M buys nothing there. docs/kernels.md has the rest.
+GPU_BLOCKS: list[tuple[str, GpuBlocks]] = [
+    ("GH200", GpuBlocks(232448, 132, 90, 64, 32, 64)),
+    ("H200", GpuBlocks(232448, 132, 90, 64, 32, 64)),
+    ("H100", GpuBlocks(232448, 132, 90, 64, 32, 64)),
+    ("H800", GpuBlocks(232448, 132, 90, 64, 32, 64)),
+    ("A100", GpuBlocks(166912, 108, 80, 32, 32, 64)),
+    ("L40", GpuBlocks(101376, 142, 89, 32, 32, 32)),
+    ("L4", GpuBlocks(101376, 58, 89, 32, 32, 32)),
+]
+# What jax assumes when it lowers for CUDA without a device (sm_90), so the same default here.
+DEFAULT_GPU_BLOCKS = GPU_BLOCKS[1][1]
 _PROGRAMS_PER_SM = 4  # a few resident programs per SM hide memory latency
+_MAX_POOL_ELEMENTS = 2**31 - 1  # the Triton lowering computes element offsets in int32
 
 
-def _sm_count() -> int:
-    kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
-    return next((n for k, n in _SM_COUNTS if k.lower() in kind.lower()), _DEFAULT_SMS)
+def gpu_blocks_for(device_kind: str) -> GpuBlocks:
+    return next((b for k, b in GPU_BLOCKS if k.lower() in device_kind.lower()), DEFAULT_GPU_BLOCKS)
+
+
+def target_device_kind() -> str:
+    """The GPU being compiled for: the local device, else (jax >= 0.11) an abstract mesh's device."""
+    if jax.default_backend() == "gpu":
+        return jax.devices()[0].device_kind
+    try:
+        from jax._src import mesh as mesh_lib
+
+        dev = mesh_lib.get_abstract_mesh().abstract_device
+        if dev is not None and dev.platform in ("gpu", "cuda"):
+            return dev.device_kind
+    except (ImportError, AttributeError):  # older jax: no abstract devices
+        pass
+    return ""
+
+
+def aot_target(device_kind: str = "NVIDIA H200") -> contextlib.AbstractContextManager:
+    """Context in which jax lowers Pallas GPU kernels for ``device_kind`` without a GPU.
+
+    jax >= 0.11 asks an abstract mesh's device for the target (and raises without one); jax 0.10
+    falls back to sm_90 on its own. target_device_kind() reads the same device, so block sizes
+    follow the target too.
+    """
+    if jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("aot",), abstract_device=dev))
+
+
+def uses_wgmma(rows: int, itemsize: int, num_warps: int, cc: int) -> bool:
+    """Whether Triton picks Hopper's wgmma (MMAv3) for a [rows, D] x [D, block_kv] tile."""
+    return cc >= 90 and itemsize == 2 and rows % 64 == 0 and num_warps % 4 == 0
+
+
+def shared_bytes_estimate(rows: int, block_kv: int, head_dim: int, itemsize: int, wgmma: bool) -> int:
+    """Shared memory Triton allocates for one program of these kernels (rows query rows).
+
+    Fitted to Triton 3.9's sm_90 allocation over head_dim 64/128/256, bf16/f32, rows 16-128,
+    block_kv 32-256; XLA's bundled Triton allocates the same or 256 B more (tests/test_gpu_compile.py
+    keeps it an upper bound within 5% + 2 KB of both):
+    mma.sync/FMA tiles hold K, V and a layout copy of one of them (3 x block_kv x D), the P tile
+    (rows x block_kv) and Q (rows x D); wgmma tiles stage K and V twice (4 x block_kv x D) plus Q.
+    """
+    base = itemsize * (block_kv * (3 * head_dim + rows) + rows * head_dim)
+    if wgmma:
+        base = max(base, itemsize * (4 * head_dim * block_kv + rows * head_dim))
+    return base + 1024  # barriers and a third pipeline stage add <= 256 B
 
 
 def _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv: int, page_size: int, pages_per_seq: int):
@@ -168,6 +244,38 @@ def _row_block_seq_ranges(cu_q_lens: jax.Array, num_blocks: int, block_rows: int
     return jnp.minimum(lo, n), jnp.minimum(hi, n)
 
 
+def _fit_blocks(*, rows_decode: int, block_q: int | None, block_kv: int | None, head_dim: int, itemsize: int,
+                num_warps: int, blocks: GpuBlocks, kind: str, dtype_name: str,
+                kv_from: str) -> tuple[int, int]:
+    """Block sizes whose tiles fit the device's shared memory: defaults shrink to fit, explicit
+    settings that do not fit are an error (raised while tracing, i.e. at start-up warm-up, before
+    any compiler runs)."""
+    explicit_q, explicit_kv = block_q is not None, block_kv is not None
+    if block_q is None:
+        block_q = blocks.block_q_16bit if itemsize == 2 else blocks.block_q_f32
+    if block_kv is None:
+        block_kv = blocks.block_kv
+
+    def need(bq: int, bkv: int) -> tuple[int, str]:
+        dec = shared_bytes_estimate(rows_decode, bkv, head_dim, itemsize, False)
+        pre = shared_bytes_estimate(bq, bkv, head_dim, itemsize, uses_wgmma(bq, itemsize, num_warps, blocks.cc))
+        return (dec, "decode") if dec > pre else (pre, "prefill")
+
+    while need(block_q, block_kv)[0] > blocks.shared_bytes:
+        if not explicit_kv and block_kv > 16:
+            block_kv //= 2
+        elif not explicit_q and block_q > 16:
+            block_q //= 2
+        else:
+            nbytes, which = need(block_q, block_kv)
+            raise ValueError(
+                f"GPU attention: block_q={block_q}, block_kv={block_kv} ({kv_from}) need ~{nbytes // 1024} KB of "
+                f"shared memory in the {which} kernel (head_dim {head_dim}, {dtype_name}), but "
+                f"{kind or 'the default target (sm_90)'} allows {blocks.shared_bytes // 1024} KB per block; "
+                f"lower pages_per_block / block_kv (or block_q), or leave them unset to size them automatically")
+    return block_q, block_kv
+
+
 def ragged_paged_attention_gpu(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -179,14 +287,15 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_q: int = 32,
-    block_kv: int = 64,
+    block_q: int | None = None,
+    block_kv: int | None = None,
     split_tokens: int | None = None,
     interpret: bool = False,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
+    device_kind: str | None = None,
 ) -> jax.Array:
     """Ragged paged attention on GPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
 
@@ -196,31 +305,51 @@ def ragged_paged_attention_gpu(
     gives every SM a few decode programs (sequences x KV heads x splits), since each split costs
     a partial (acc, l, m) round trip through HBM.
     pages_per_block / num_splits: other spellings of the same knobs (override block_kv / split_tokens).
+    Unset block sizes come from GPU_BLOCKS for the target (``device_kind``, by default the local
+    GPU's) and shrink to fit its shared memory; explicit ones that do not fit raise ValueError.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, two_kvh, _ = kv_pages.shape
     kv_heads = two_kvh // 2
     group = num_heads // kv_heads
     num_seqs_max, pages_per_seq = page_tables.shape
+    kind = target_device_kind() if device_kind is None else device_kind
+    blocks = gpu_blocks_for(kind)
+    num_warps = blocks.num_warps if num_warps is None else num_warps
+    num_stages = blocks.num_stages if num_stages is None else num_stages
+    kv_from = "block_kv"
     if pages_per_block is not None:
         block_kv = max(16, _next_pow2(pages_per_block * page_size))
+        kv_from = f"pages_per_block={pages_per_block} x page_size={page_size}"
     for name, v in (("block_q", block_q), ("block_kv", block_kv)):
-        if v < 16 or v & (v - 1):
+        if v is not None and (v < 16 or v & (v - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16 for Triton, got {head_dim}")
+    g_pad = max(16, _next_pow2(group))
+    itemsize = jnp.dtype(kv_pages.dtype).itemsize
+    if interpret:  # no shared memory to fit; the table's sizes, or what the caller asked for
+        block_q = block_q or (blocks.block_q_16bit if itemsize == 2 else blocks.block_q_f32)
+        block_kv = block_kv or blocks.block_kv
+    else:
+        block_q, block_kv = _fit_blocks(rows_decode=g_pad, block_q=block_q, block_kv=block_kv, head_dim=head_dim,
+                                        itemsize=itemsize, num_warps=num_warps, blocks=blocks, kind=kind,
+                                        dtype_name=jnp.dtype(kv_pages.dtype).name, kv_from=kv_from)
+        if kv_pages.size > _MAX_POOL_ELEMENTS:
+            raise ValueError(
+                f"GPU attention: the KV pool has {kv_pages.size:,} elements ({kv_pages.shape}), past the 2^31 that the "
+                f"Triton kernels address with int32 offsets; lower num_pages / kv_cache_memory")
     max_ctx = pages_per_seq * page_size
     ctx_blocks = -(-max_ctx // block_kv)
     if num_splits is None and split_tokens is None:
         programs = num_seqs_max * kv_heads
         # Interpreted, programs run one after another: two splits still exercise the merge.
-        num_splits = 2 if interpret else max(1, -(-_PROGRAMS_PER_SM * _sm_count() // programs))
+        num_splits = 2 if interpret else max(1, -(-_PROGRAMS_PER_SM * blocks.sms // programs))
     if num_splits is not None:
         split_tokens = -(-max_ctx // max(1, num_splits))
     # Whole KV blocks per split; recount the splits from the rounded length.
     split_tokens = min(ctx_blocks, max(1, -(-split_tokens // block_kv))) * block_kv
     num_splits = max(1, -(-max_ctx // split_tokens))
-    g_pad = max(16, _next_pow2(group))
     precision = jax.lax.Precision.HIGHEST if kv_pages.dtype == jnp.float32 else None
     kv_lens = kv_lens.astype(jnp.int32)
     cu = cu_q_lens.astype(jnp.int32)

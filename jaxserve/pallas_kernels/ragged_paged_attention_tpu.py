@@ -5,30 +5,46 @@ mixing decodes and prefill chunks, KV pool ``[num_pages, page_size, 2 * kv_heads
 of kv head h at 2h and V at 2h+1.
 
 Design
-  * Queries are regrouped outside the kernel to ``[kv_heads, tokens * group, head_dim]``: row
-    ``t * group + g`` is query head ``h * group + g`` of token t. One MXU matmul then serves a whole
-    GQA group, and a q block is a plain rectangular BlockSpec tile.
-  * Grid ``(kv head blocks, query blocks)``; both axes are independent ("parallel", so megacore
-    chips split them). A query block of ``block_q`` tokens may hold the tail of one
-    sequence, several whole decodes and the head of another: the kernel walks the sequences that
-    intersect the block, and for each one the KV blocks its rows can see (causal upper bound,
-    sliding-window lower bound), with an online softmax whose state lives in VMEM scratch.
-  * Page tables, kv_lens, cu_q_lens, num_seqs and each query block's first sequence are scalar
-    prefetch (SMEM). The pool stays in HBM (``memory_space=ANY``); every KV block is
-    ``pages_per_block`` page DMAs into one of two VMEM buffers. While block i is computed,
-    block i+1 (possibly the first block of the next sequence) is already in flight.
-  * Pages no row needs are not fetched; the stale VMEM they leave is masked out, and V is zeroed
-    outside the valid range so that garbage (even NaN) in unused slots cannot leak through 0 * NaN.
-  * Why whole head blocks are DMA'd and K/V split in VMEM: the pool's minor dims [2*KVH, D] are
-    tiled in HBM, and Mosaic only lets a DMA slice/squeeze a tiled dim at tile granularity
-    ("All tiled squeezed dimensions must be of size 1"), so a per-head ``at[page, :, 2h, :]`` copy
-    does not compile for real layouts. A whole tile of combined heads (or all of them) does, and
-    one DMA per page then brings K and V together, which is what the interleaved layout is for.
+  * Lane-dense pages. Each page is seen as one slab ``[page_size * W, 128]`` with
+    ``W = 2 * kv_heads * head_dim / 128`` rows of 128 lanes per token (a free reshape of the
+    row-major pool). One DMA per page brings every head's K and V; the slab's minor dims are
+    always (tile-multiple, 128), so Mosaic never sees an untiled combined-head axis (SmolLM2's
+    6 heads) nor a 64-wide minor dim. The pool may also be passed in that shape,
+    ``[num_pages, page_size * W, 128]`` (``pool_page_size=`` tells the page size): for head_dim 64
+    this is the layout to allocate on TPU, because XLA stores a ``[..., 64]`` array minor-dim
+    transposed and would copy the whole pool around the kernel call otherwise.
+  * K/V of one head are picked out of the slab with sublane-strided loads (Mosaic needs the last
+    dim = 128 for them). head_dim 128: K row 2h, V row 2h+1 of every token. head_dim 256 (128m):
+    m rows each, concatenated along lanes. head_dim 64: one row ``[K_h | V_h]`` per head; the
+    queries are zero-padded to 128 lanes so that q . row = q . K_h, and p @ row gives p @ V_h in
+    lanes 64..127 (the MXU is 128 wide anyway). 16-bit pools pack two rows per 32-bit sublane
+    word and Mosaic has no strided packed loads: the buffer is read as uint32 words and split into
+    halves. With head_dim 64 and an odd kv_heads a word straddles two tokens; then even and odd
+    tokens are loaded separately and the KV columns are handled in (evens, odds) order; attention
+    does not care about column order as long as the masks follow it.
+  * Queries regrouped outside the kernel to ``[kv_heads, tokens * group, 128*]``: row
+    ``t * group + g`` is query head ``h * group + g`` of token t, so one MXU matmul serves a GQA group.
+  * Grid ``(query blocks,)``, "parallel". A query block of ``block_q`` tokens may hold the tail of
+    one sequence, several decodes and the head of another: the kernel walks the sequences that
+    intersect the block, and for each the KV blocks its rows can see (causal upper bound,
+    sliding-window lower bound), with an online softmax in VMEM scratch.
+  * Decode rows: a sequence whose rows in the block fit one narrow, tile-aligned window (a decode,
+    or a short chunk) is computed on that window only (``group + tile - 1`` rows rounded up)
+    instead of the whole block: a block of 32 decodes no longer does 32x the work.
+  * Page tables etc. are scalar prefetch (SMEM). The pool stays in HBM; every KV block is
+    ``pages_per_block`` page DMAs into one of two VMEM buffers; block i+1 (possibly the next
+    sequence's first) is in flight while block i is computed. Pages no row needs are not fetched,
+    and stale VMEM they leave is zeroed/masked so that garbage (even NaN) cannot leak.
+  * Limits are checked before Mosaic runs (``check_tpu_limits``): scalar memory for the page
+    table, VMEM for the blocks (the scoped VMEM limit is raised from the estimate, up to the
+    chip's capacity), page-slab tiling. A violation raises ValueError naming the setting.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,21 +59,56 @@ _CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUC
 
 _LANES = 128  # m/l scratch is lane-replicated: Mosaic handles [R, 128] tiles, not [R, 1] ones
 
-# (block_q tokens, KV tokens per block) by device kind; kv tokens are turned into pages.
-# Starting points from the roofline (bigger KV blocks amortize the per-block DMA/loop overhead on
-# chips with more VMEM bandwidth); not tuned on hardware.
-_DEFAULT_BLOCKS: dict[str, tuple[int, int]] = {
+# Block sizes per TPU generation: (query tokens per block, KV tokens per block); KV tokens are
+# turned into pages. Keys are matched against device_kind, most specific first.
+# Reasoning: decode is HBM-bound, so the KV block should be long enough that the per-block fixed
+# cost (loop, DMA issue/wait, a softmax rescale) is small against its transfer: at 4 KiB per token
+# (Llama-3-8B bf16, all 8 KV heads), 512 tokens = 2 MiB = ~2.4 us at v5e's 819 GB/s, ~1.3 us at
+# v6e's 1.6 TB/s, so faster chips want longer blocks. Two buffers of that fit easily in the
+# 64-128 MiB of VMEM of v5e/v5p/v6e; v4's 16 MiB (32 with the limit raised) keeps 256. But a
+# block is computed whole: a short sequence pays for a long block's columns on the VPU, so
+# blocks stay well below tpu-inference's tuned RPA v3 values (16-32 pages of 128 tokens = 2K-4K
+# KV tokens, 8-32 queries per block, for 8K contexts on v7). Query blocks: 32 tokens x group rows
+# fills the 128/256-wide MXU for GQA 4-8 in prefill; decodes use the narrow-row path regardless.
+# Not tuned on hardware (no TPU here): scripts/device_check.py has the sweep to do it.
+TPU_BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "v4": (32, 256),
-    "v5 lite": (32, 256),  # v5e reports "TPU v5 lite"
-    "v5e": (32, 256),
-    "v5p": (32, 512),
-    "v5": (32, 512),
-    "v6": (32, 512),  # v6e reports "TPU v6 lite"
-    "tpu7": (32, 512),  # "TPU7x"
+    "v5 lite": (32, 512),  # v5e reports "TPU v5 lite"
+    "v5e": (32, 512),
+    "v5p": (32, 1024),
+    "v5": (32, 1024),
+    "v6": (32, 1024),  # v6e reports "TPU v6 lite"
+    "tpu7": (32, 1024),  # "TPU7x"
 }
 _FALLBACK_BLOCKS = (32, 256)
 _INTERPRET_BLOCKS = (8, 32)  # the TPU interpreter simulates every DMA and op: keep blocks small
-_VMEM_KV_BUDGET = 8 * 1024 * 1024  # bytes for the two KV buffers; well under every chip's scoped VMEM
+
+# Per-core memory by generation, used where jax's tpu_info lacks the chip (bytes).
+_FALLBACK_VMEM = 16 * 1024 * 1024
+_SMEM_BYTES = 1024 * 1024
+_SMEM_RESERVE = 16 * 1024  # Mosaic's own scalars, semaphores and spills share the 1 MiB
+
+
+def _device_kind() -> str:
+    """The TPU generation being compiled for: the mesh's abstract device where one is set (a
+    deviceless compile against a TPU topology), else the default device."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+
+        return tpu_info.get_device_kind()
+    except (ImportError, AttributeError):
+        return jax.devices()[0].device_kind
+
+
+def _chip_memory() -> tuple[int, int]:
+    """(VMEM, SMEM) capacity in bytes per core of the chip being compiled for."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+
+        info = tpu_info.get_tpu_info()
+        return int(info.vmem_capacity_bytes), int(info.smem_capacity_bytes)
+    except Exception:  # older/newer jax, or not a TPU: conservative v4-class numbers
+        return _FALLBACK_VMEM, _SMEM_BYTES
 
 
 def default_block_sizes(page_size: int, interpret: bool = False) -> tuple[int, int]:
@@ -65,45 +116,230 @@ def default_block_sizes(page_size: int, interpret: bool = False) -> tuple[int, i
     if interpret:
         num_q, kv_tokens = _INTERPRET_BLOCKS
     else:
-        kind = jax.devices()[0].device_kind.lower()
+        kind = _device_kind().lower()
         num_q, kv_tokens = _FALLBACK_BLOCKS
-        for key in sorted(_DEFAULT_BLOCKS, key=len, reverse=True):  # most specific key first
+        for key in sorted(TPU_BLOCK_SIZES, key=len, reverse=True):  # most specific key first
             if key in kind:
-                num_q, kv_tokens = _DEFAULT_BLOCKS[key]
+                num_q, kv_tokens = TPU_BLOCK_SIZES[key]
                 break
     return num_q, max(1, kv_tokens // page_size)
 
 
-def _sublane_packing(dtype: jnp.dtype) -> int:
-    return 4 // jnp.dtype(dtype).itemsize
+def _sublane_tile(dtype: jnp.dtype) -> int:
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
-def _kv_heads_per_block(kv_heads: int, dtype: jnp.dtype) -> int:
-    """KV heads per grid step: a full sublane tile of combined K/V heads if they divide, else all.
-
-    The VMEM buffer [pages, page_size, 2*kvh_blk, D] is viewed as [pages*page_size*2*kvh_blk, D]
-    for the strided K/V loads; that view is free only when the combined-head axis fills whole
-    sublane tiles (or is the whole, small, axis)."""
-    tile = 8 * _sublane_packing(dtype)
-    if (2 * kv_heads) % tile == 0:
-        return tile // 2
-    return kv_heads
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
-def _regroup_queries(q: jax.Array, kv_heads: int, num_tokens_padded: int) -> jax.Array:
-    """[T, H, D] -> [KVH, T_pad * G, D] with row t*G + g = head kvh*G + g of token t."""
+@dataclasses.dataclass(frozen=True)
+class TpuPlan:
+    """Static shape plan of one kernel launch, with its memory estimates (bytes)."""
+
+    kv_heads: int
+    group: int
+    head_dim: int
+    lanes_q: int  # query/output lanes per head: head_dim, or 128 for head_dim 64
+    rows_per_token: int  # W: 128-lane rows per token in a page slab
+    page_size: int
+    block_q: int
+    pages_per_block: int
+    narrow_rows: int  # rows of the narrow (decode) window; == block rows when unused
+    vmem_bytes: int
+    smem_bytes: int
+    vmem_limit_bytes: int
+
+
+def _vmem_estimate(kv_heads: int, rows: int, lanes_q: int, kv_tokens: int, w: int,
+                   q_itemsize: int, kv_itemsize: int) -> int:
+    kv_bufs = 2 * kv_tokens * w * _LANES * kv_itemsize
+    q_out = 2 * 2 * kv_heads * rows * lanes_q * q_itemsize  # q and o blocks, double-buffered
+    scratch = kv_heads * rows * (2 * _LANES + lanes_q) * 4
+    # Live values of one head's step: scores, probabilities and masks [rows, kv] in f32, K/V
+    # [kv, lanes] (f32 copies for the bf16 split), the PV product.
+    temps = 4 * rows * kv_tokens * 4 + 3 * kv_tokens * max(lanes_q, _LANES) * 4 + 2 * rows * lanes_q * 4
+    return kv_bufs + q_out + scratch + temps
+
+
+def plan_tpu_launch(
+    *, num_tokens: int, num_heads: int, kv_heads: int, head_dim: int, page_size: int,
+    max_seqs: int, pages_per_seq: int, q_dtype, kv_dtype, block_q: int | None = None,
+    pages_per_block: int | None = None, interpret: bool = False,
+    vmem_limit_bytes: int | None = None,
+) -> TpuPlan:
+    """Choose block sizes for a launch and check them against the chip, before Mosaic runs.
+
+    Raises ValueError naming the limit and the engine setting to change."""
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {kv_heads}")
+    group = num_heads // kv_heads
+    if head_dim == 64:
+        w, lanes_q = kv_heads, _LANES
+    elif head_dim % _LANES == 0 and (head_dim // _LANES == 1 or head_dim // _LANES % 2 == 0):
+        w, lanes_q = 2 * kv_heads * head_dim // _LANES, head_dim
+    else:
+        raise ValueError(f"the TPU kernel supports head_dim 64, 128 or a multiple of 256, got "
+                         f"{head_dim}; use attention_backend='xla'")
+    kv_tile = _sublane_tile(kv_dtype)
+    if not interpret and (page_size * w) % kv_tile:
+        raise ValueError(
+            f"TPU kernel: a page of {page_size} tokens x {w} rows of 128 lanes does not fill whole "
+            f"{kv_tile}-row sublane tiles for {jnp.dtype(kv_dtype).name} KV; use a page_size that is a "
+            f"multiple of {kv_tile // math.gcd(w, kv_tile)}")
+    if (not interpret and jnp.dtype(kv_dtype).itemsize == 2 and head_dim == 64
+            and kv_heads % 2 and page_size % 2):
+        raise ValueError("TPU kernel: odd kv_heads with head_dim 64 and 16-bit KV need an even page_size")
+    vmem_cap, smem_cap = (64 * 1024 * 1024, _SMEM_BYTES) if interpret else _chip_memory()
+
+    # Scalar memory: the flattened page table plus per-sequence lengths and per-block starts.
+    q_tile = _sublane_tile(q_dtype)
+    d_q, d_kv = default_block_sizes(page_size, interpret)
+    q_per_blk = block_q or d_q
+    q_per_blk = min(q_per_blk, _round_up(num_tokens, 8))
+    q_per_blk = _round_up(q_per_blk, q_tile)
+    num_q_blocks = -(-num_tokens // q_per_blk)
+    smem = 4 * (max_seqs * pages_per_seq + 2 * max_seqs + 2 + num_q_blocks)
+    if smem > smem_cap - _SMEM_RESERVE:
+        raise ValueError(
+            f"TPU kernel: the page table of {max_seqs} sequences x {pages_per_seq} pages "
+            f"({max_seqs * pages_per_seq} int32) needs {smem / 2**20:.2f} MiB of scalar memory; "
+            f"the chip has {smem_cap / 2**20:.2f} MiB. Lower max_num_seqs or max_model_len, or raise "
+            f"page_size (max_num_seqs x max_model_len / page_size must stay below "
+            f"{(smem_cap - _SMEM_RESERVE) // 4 - 2 * max_seqs - 2 - num_q_blocks})")
+
+    ppb = max(1, min(pages_per_block or d_kv, pages_per_seq))
+    rows = q_per_blk * group
+    est = functools.partial(_vmem_estimate, kv_heads, lanes_q=lanes_q, w=w,
+                            q_itemsize=jnp.dtype(q_dtype).itemsize, kv_itemsize=jnp.dtype(kv_dtype).itemsize)
+    budget = (vmem_limit_bytes or vmem_cap) * 3 // 4  # headroom for Mosaic's internal scratch
+    # Too big for VMEM: halve the KV block first (costs per-block overhead only), then the q block.
+    while est(rows, kv_tokens=ppb * page_size) > budget and (ppb > 1 or q_per_blk > q_tile):
+        if ppb > 1 and (ppb * page_size > 128 or q_per_blk <= q_tile):
+            ppb //= 2
+        else:
+            q_per_blk = max(q_tile, q_per_blk // 2)
+            rows = q_per_blk * group
+    vmem = est(rows, kv_tokens=ppb * page_size)
+    if vmem > budget:
+        raise ValueError(
+            f"TPU kernel: {vmem / 2**20:.1f} MiB of VMEM needed at the smallest blocks, "
+            f"{budget / 2**20:.1f} MiB usable; lower page_size or use attention_backend='xla'")
+    # Narrow (decode) window, from a tile-aligned start. A decode's `group` rows start at a
+    # multiple of group: when group and the tile divide one another they never straddle a window
+    # of max(group, tile) rows (Llama's group 4 in bf16: 16 rows); otherwise the window must
+    # cover `group` rows at any offset. Longer chunks use it when they fit (checked in-kernel).
+    if q_tile % group == 0 or group % q_tile == 0:
+        narrow = min(rows, max(group, q_tile))
+    else:
+        narrow = min(rows, _round_up(group + q_tile - 1, q_tile))
+    limit = vmem_limit_bytes or min(vmem_cap, max(32 * 1024 * 1024, _round_up(2 * vmem, 2**20)))
+    return TpuPlan(kv_heads=kv_heads, group=group, head_dim=head_dim, lanes_q=lanes_q, rows_per_token=w,
+                   page_size=page_size, block_q=q_per_blk, pages_per_block=ppb, narrow_rows=narrow,
+                   vmem_bytes=vmem, smem_bytes=smem, vmem_limit_bytes=limit)
+
+
+def check_tpu_limits(*, num_heads: int, kv_heads: int, head_dim: int, page_size: int, max_num_seqs: int,
+                     max_model_len: int, max_num_batched_tokens: int, dtype, block_q: int | None = None,
+                     pages_per_block: int | None = None) -> TpuPlan:
+    """Start-up check of the engine's largest bucket against the chip; raises ValueError naming
+    the setting to change. (Buckets tie sequences to tokens: S = min(T, max_num_seqs).)"""
+    return plan_tpu_launch(
+        num_tokens=max_num_batched_tokens, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
+        page_size=page_size, max_seqs=min(max_num_seqs, max_num_batched_tokens),
+        pages_per_seq=-(-max_model_len // page_size), q_dtype=dtype, kv_dtype=dtype,
+        block_q=block_q, pages_per_block=pages_per_block)
+
+
+def _regroup_queries(q: jax.Array, kv_heads: int, num_tokens_padded: int, lanes: int) -> jax.Array:
+    """[T, H, D] -> [KVH, T_pad * G, lanes] with row t*G + g = head kvh*G + g of token t."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // kv_heads
-    q = jnp.pad(q, ((0, num_tokens_padded - num_tokens), (0, 0), (0, 0)))
-    q = q.reshape(num_tokens_padded, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    return q.reshape(kv_heads, num_tokens_padded * group, head_dim)
+    q = jnp.pad(q, ((0, num_tokens_padded - num_tokens), (0, 0), (0, lanes - head_dim)))
+    q = q.reshape(num_tokens_padded, kv_heads, group, lanes).transpose(1, 0, 2, 3)
+    return q.reshape(kv_heads, num_tokens_padded * group, lanes)
 
 
-def _ungroup_output(o: jax.Array, num_tokens: int, num_heads: int) -> jax.Array:
-    kv_heads, rows, head_dim = o.shape
+def _ungroup_output(o: jax.Array, num_tokens: int, num_heads: int, head_dim: int) -> jax.Array:
+    kv_heads, rows, lanes = o.shape
     group = num_heads // kv_heads
+    o = o[..., lanes - head_dim:]  # head_dim 64: p @ V sits in lanes 64..127
     o = o.reshape(kv_heads, rows // group, group, head_dim).transpose(1, 0, 2, 3)
     return o.reshape(rows // group, num_heads, head_dim)[:num_tokens]
+
+
+class _SlabReader:
+    """K and V of one kv head out of a VMEM buffer of page slabs ``[kv_tokens * W, 128]``.
+
+    ``strided``: Mosaic sublane-strided loads and a uint32 view of 16-bit buffers (TPU).
+    ``emulated``: the same index arithmetic on loaded values (reshape + index, lax bitcasts), which
+    the TPU interpreter runs; it checks every start/stride/half choice of the strided path on CPU.
+    """
+
+    def __init__(self, buf, kv_tokens: int, w: int, head_dim: int, kv_heads: int, mode: str):
+        self.buf, self.kv, self.w, self.d, self.kvh, self.mode = buf, kv_tokens, w, head_dim, kv_heads, mode
+        self.dtype = buf.dtype
+        self.packed = jnp.dtype(buf.dtype).itemsize == 2
+        # Column order of the loaded KV block: natural, or evens then odds (see module doc).
+        self.even_odd = self.packed and head_dim == 64 and kv_heads % 2 == 1
+
+    def _rows(self, start: int, n: int, stride: int, words: bool):
+        """Rows start, start+stride, ... (n of them) of the buffer or of its uint32 word view."""
+        if self.mode == "strided":
+            ref = self.buf.bitcast(jnp.uint32) if words else self.buf
+            if stride == 1:
+                return ref[...]
+            return ref[pl.ds(start, n, stride=stride), :]
+        x = self.buf[...]
+        if words:  # rows 2i (low half) and 2i+1 (high half) share word i
+            x = x.reshape(x.shape[0] // 2, 2, _LANES).transpose(0, 2, 1)
+            x = lax.bitcast_convert_type(x, jnp.uint32)
+        return x.reshape(n, stride, _LANES)[:, start, :]
+
+    def _half(self, w, high: bool):
+        """One 16-bit half of each word as f32 (exact: a bf16 is the top half of an f32)."""
+        bits = (w & jnp.uint32(0xFFFF0000)) if high else (w << 16)
+        if self.mode == "strided":
+            return pltpu.bitcast(bits, jnp.float32)
+        return lax.bitcast_convert_type(bits, jnp.float32)
+
+    def load(self, h: int) -> tuple[jax.Array, jax.Array]:
+        """(K, V) of head h, [kv_tokens, lanes]; f32 for 16-bit pools (the word split yields f32)."""
+        kv, w, d = self.kv, self.w, self.d
+        if d == 64:  # one row [K_h | V_h] per token
+            if not self.packed:
+                x = self._rows(h, kv, w, False)
+            elif self.kvh % 2 == 0:
+                x = self._half(self._rows(h // 2, kv, w // 2, True), h % 2 == 1)
+            else:  # words straddle tokens: even tokens, then odd tokens
+                even = self._half(self._rows(h // 2, kv // 2, self.kvh, True), h % 2 == 1)
+                odd_row = self.kvh + h
+                odd = self._half(self._rows(odd_row // 2, kv // 2, self.kvh, True), odd_row % 2 == 1)
+                x = jnp.concatenate([even, odd], axis=0)
+            return x, x
+        m = d // _LANES  # rows per K (and per V) of a head
+        if not self.packed:
+            k = [self._rows(2 * h * m + j, kv, w, False) for j in range(m)]
+            v = [self._rows((2 * h + 1) * m + j, kv, w, False) for j in range(m)]
+        elif m == 1:  # K row and V row share a word
+            word = self._rows(h, kv, w // 2, True)
+            k, v = [self._half(word, False)], [self._half(word, True)]
+        else:  # m even: a word holds chunks 2j (low) and 2j+1 (high) of K, or of V
+            k, v = [], []
+            for out, base in ((k, 2 * h * m // 2), (v, (2 * h + 1) * m // 2)):
+                for j in range(m // 2):
+                    word = self._rows(base + j, kv, w // 2, True)
+                    out += [self._half(word, False), self._half(word, True)]
+        cat = (lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1))
+        return cat(k), cat(v)
+
+    def column_tokens(self, shape: tuple[int, int], axis: int) -> jax.Array:
+        """Token index within the KV block of each column (iota along `axis`)."""
+        j = lax.broadcasted_iota(jnp.int32, shape, axis)
+        if not self.even_odd:
+            return j
+        half = self.kv // 2
+        return jnp.where(j < half, 2 * j, 2 * (j - half) + 1)
 
 
 def _kernel(
@@ -114,16 +350,16 @@ def _kernel(
     num_seqs_ref,  # [1]
     first_seq_ref,  # [num_q_blocks] first sequence with a token in each query block
     # inputs
-    q_ref,  # VMEM [kvh_blk, R, D], R = block_q * group
-    kv_hbm_ref,  # HBM [N, page_size, 2*KVH, D]
+    q_ref,  # VMEM [KVH, R, Lq], R = block_q * group
+    kv_hbm_ref,  # HBM [N, page_size * W, 128]
     # outputs
-    o_ref,  # VMEM [kvh_blk, R, D]
+    o_ref,  # VMEM [KVH, R, Lq]
     # scratch
-    kv_buf,  # VMEM [2, pages_per_blk, page_size, 2*kvh_blk, D]
+    kv_buf,  # VMEM [2, pages_per_blk * page_size * W, 128]
     sems,  # DMA semaphores [2]
-    m_ref,  # VMEM f32 [kvh_blk, R, 128] running max, lane-replicated
-    l_ref,  # VMEM f32 [kvh_blk, R, 128] running denominator
-    acc_ref,  # VMEM f32 [kvh_blk, R, D] running numerator
+    m_ref,  # VMEM f32 [KVH, R, 128] running max, lane-replicated
+    l_ref,  # VMEM f32 [KVH, R, 128] running denominator
+    acc_ref,  # VMEM f32 [KVH, R, Lq] running numerator
     *,
     sm_scale: float,
     sliding_window: int | None,
@@ -131,21 +367,22 @@ def _kernel(
     group: int,
     max_seqs: int,
     pages_per_seq: int,
+    pages_per_blk: int,
+    page_size: int,
+    head_dim: int,
+    narrow_rows: int,
+    row_tile: int,
     kv_split: str,
 ):
-    kvh_blk, rows, head_dim = q_ref.shape
-    _, pages_per_blk, page_size, combined_blk, _ = kv_buf.shape
+    kv_heads, rows, lanes_q = q_ref.shape
+    page_rows = kv_hbm_ref.shape[1]
+    w = page_rows // page_size
     kv_per_blk = pages_per_blk * page_size
     tokens_per_blk = rows // group
-    if combined_blk == kv_hbm_ref.shape[2]:
-        head_start = 0  # one head block: a static offset needs no alignment proof
-    else:  # a whole number of sublane tiles; Mosaic must be told so to accept the DMA slice
-        head_start = pl.multiple_of(pl.program_id(0) * combined_blk, combined_blk)
-    q_blk = pl.program_id(1)
+    q_blk = pl.program_id(0)
     tok_lo = q_blk * tokens_per_blk
     tok_hi = tok_lo + tokens_per_blk
     num_seqs = jnp.minimum(num_seqs_ref[0], max_seqs)
-    packed = jnp.dtype(kv_buf.dtype).itemsize == 2
     f32_inputs = jnp.dtype(q_ref.dtype) == jnp.float32
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
@@ -173,99 +410,106 @@ def _kernel(
         nonempty = (first_tok <= last_tok) & (kv_hi > kv_lo)
         blk_lo = kv_lo // kv_per_blk
         blk_hi = jnp.where(nonempty, (kv_hi + kv_per_blk - 1) // kv_per_blk, blk_lo)
+        # Narrow window: tile-aligned rows [win, win + narrow_rows) holding all of seq's rows here.
+        r0 = (first_tok - tok_lo) * group
+        r1 = (last_tok + 1 - tok_lo) * group
+        win = jnp.minimum((r0 // row_tile) * row_tile, rows - narrow_rows)
+        narrow = (r1 - win) <= narrow_rows
         return dict(q_start=q_start, q_end=q_end, offset=offset, kv_lo=kv_lo, kv_hi=kv_hi,
-                    blk_lo=blk_lo, blk_hi=blk_hi, seq_c=seq_c)
+                    blk_lo=blk_lo, blk_hi=blk_hi, seq_c=seq_c, win=win, narrow=narrow)
 
-    def page_copies(span, blk, slot):
-        """(needed, descriptor) per page of KV block `blk`; pages outside [kv_lo, kv_hi) are skipped."""
-        copies = []
-        for i in range(pages_per_blk):
-            page_in_seq = blk * pages_per_blk + i
-            needed = ((page_in_seq * page_size < span["kv_hi"])
-                      & ((page_in_seq + 1) * page_size > span["kv_lo"])
-                      & (page_in_seq < pages_per_seq))
-            table_idx = span["seq_c"] * pages_per_seq + jnp.minimum(page_in_seq, pages_per_seq - 1)
-            page = page_tables_ref[table_idx]
-            src = kv_hbm_ref.at[page, :, pl.ds(head_start, combined_blk), :]
-            copies.append((needed, pltpu.make_async_copy(src, kv_buf.at[slot, i], sems.at[slot])))
-        return copies
+    def page_range(span, blk):
+        """[lo, hi) of the pages of KV block `blk` that hold positions in [kv_lo, kv_hi): only those
+        are fetched (one contiguous run); a loop, not an unrolled list, to keep the kernel small."""
+        first = blk * pages_per_blk
+        lo = jnp.clip(span["kv_lo"] // page_size - first, 0, pages_per_blk)
+        end = jnp.minimum((span["kv_hi"] + page_size - 1) // page_size, pages_per_seq)
+        hi = jnp.clip(end - first, lo, pages_per_blk)
+        return lo, hi
+
+    def page_copy(span, blk, slot, i):
+        page_in_seq = blk * pages_per_blk + i
+        page = page_tables_ref[span["seq_c"] * pages_per_seq + page_in_seq]
+        dst = kv_buf.at[slot, pl.ds(pl.multiple_of(i * page_rows, page_rows), page_rows), :]
+        return pltpu.make_async_copy(kv_hbm_ref.at[page], dst, sems.at[slot])
 
     def start_block(span, blk, slot):
-        for needed, copy in page_copies(span, blk, slot):
-            pl.when(needed)(copy.start)
+        lo, hi = page_range(span, blk)
+
+        def body(i, carry):
+            page_copy(span, blk, slot, i).start()
+            return carry
+
+        lax.fori_loop(lo, hi, body, 0)
 
     def wait_block(span, blk, slot):
-        for needed, copy in page_copies(span, blk, slot):
-            pl.when(needed)(copy.wait)
+        lo, hi = page_range(span, blk)
 
-    def load_kv(slot, h):
-        """K and V of kv head h of the KV block in buffer `slot`, each [kv_per_blk, D]."""
-        if kv_split == "indexed":
-            # Plain indexing on the combined-head axis: what the TPU interpreter supports (it has
-            # no ref reshape/bitcast), and a fallback for Mosaic versions that reject the below.
-            k = kv_buf[slot, :, :, 2 * h, :].reshape(kv_per_blk, head_dim)
-            v = kv_buf[slot, :, :, 2 * h + 1, :].reshape(kv_per_blk, head_dim)
-            return k, v
-        # View the buffer as rows [kv_per_blk * combined_blk, D] (free: the combined-head axis
-        # fills whole sublane tiles) and pick K/V rows with sublane-strided loads.
-        flat = kv_buf.at[slot].reshape(kv_per_blk * combined_blk, head_dim)
-        if not packed:
-            k = flat[pl.ds(2 * h, kv_per_blk, stride=combined_blk), :]
-            v = flat[pl.ds(2 * h + 1, kv_per_blk, stride=combined_blk), :]
-            return k, v
-        # A 16-bit K row and its V row share one 32-bit sublane word (K low, V high): load the
-        # words with a 32-bit strided load and split them; Mosaic has no strided packed loads.
-        words = flat.bitcast(jnp.uint32)
-        kv_heads_blk = combined_blk // 2
-        if kv_heads_blk == 1:
-            w = words[...]
-        else:
-            w = words[pl.ds(h, kv_per_blk, stride=kv_heads_blk), :]
-        k = pltpu.bitcast(w << 16, jnp.float32).astype(kv_buf.dtype)
-        v = pltpu.bitcast(w & jnp.uint32(0xFFFF0000), jnp.float32).astype(kv_buf.dtype)
-        return k, v
+        def body(i, carry):
+            page_copy(span, blk, slot, i).wait()
+            return carry
 
-    def compute_block(span, blk, slot):
+        lax.fori_loop(lo, hi, body, 0)
+
+    precision = lax.Precision.HIGHEST if f32_inputs else None
+
+    def compute_block(span, blk, slot, row0, nrows: int):
+        """Fold KV block `blk` into the softmax state of rows [row0, row0 + nrows)."""
+        reader = _SlabReader(kv_buf.at[slot], kv_per_blk, w, head_dim, kv_heads, kv_split)
         kv_start = blk * kv_per_blk
-        shape = (rows, kv_per_blk)
-        row_tok = tok_lo + lax.broadcasted_iota(jnp.int32, shape, 0) // group
-        col_pos = kv_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        shape = (nrows, kv_per_blk)
+        row_tok = tok_lo + (row0 + lax.broadcasted_iota(jnp.int32, shape, 0)) // group
+        col_pos = kv_start + reader.column_tokens(shape, 1)
         row_pos = row_tok + span["offset"]
         in_seq = (row_tok >= span["q_start"]) & (row_tok < span["q_end"])
         mask = in_seq & (col_pos <= row_pos) & (col_pos < span["kv_hi"])
         if sliding_window is not None:
             mask &= col_pos > row_pos - sliding_window
-        row_tok_l = tok_lo + lax.broadcasted_iota(jnp.int32, (rows, _LANES), 0) // group
+        row_tok_l = tok_lo + (row0 + lax.broadcasted_iota(jnp.int32, (nrows, _LANES), 0)) // group
         update_l = (row_tok_l >= span["q_start"]) & (row_tok_l < span["q_end"])
-        row_tok_d = tok_lo + lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) // group
+        row_tok_d = tok_lo + (row0 + lax.broadcasted_iota(jnp.int32, (nrows, lanes_q), 0)) // group
         update_d = (row_tok_d >= span["q_start"]) & (row_tok_d < span["q_end"])
-        v_pos = kv_start + lax.broadcasted_iota(jnp.int32, (kv_per_blk, head_dim), 0)
-        v_valid = (v_pos >= span["kv_lo"]) & (v_pos < span["kv_hi"])
-        precision = lax.Precision.HIGHEST if f32_inputs else None
+        kv_pos = kv_start + reader.column_tokens((kv_per_blk, lanes_q), 0)
+        kv_valid = (kv_pos >= span["kv_lo"]) & (kv_pos < span["kv_hi"])
+        rs = pl.ds(row0, nrows)
 
-        for h in range(kvh_blk):
-            k, v = load_kv(slot, h)
-            q = q_ref[h]
-            k = k.astype(q.dtype)
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+        for h in range(kv_heads):
+            k, v = reader.load(h)
+            # Stale or garbage slots (even NaN) must not reach either matmul: 0 * NaN = NaN.
+            k = jnp.where(kv_valid, k, 0.0).astype(kv_buf.dtype)
+            v = k if head_dim == 64 else jnp.where(kv_valid, v, 0.0).astype(kv_buf.dtype)
+            q = q_ref[h, rs, :]
+            s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(mask, s, -jnp.inf)
-            m_prev = jnp.max(m_ref[h], axis=1, keepdims=True)
-            l_prev = jnp.max(l_ref[h], axis=1, keepdims=True)
+            m_prev = jnp.max(m_ref[h, rs, :], axis=1, keepdims=True)
+            l_prev = jnp.max(l_ref[h, rs, :], axis=1, keepdims=True)
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing to see yet
             p = jnp.exp(s - m_safe)
             alpha = jnp.exp(m_prev - m_safe)
             l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            v = jnp.where(v_valid, v.astype(jnp.float32), 0.0).astype(v.dtype)
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
             # Only this sequence's rows move; the rest of the block belongs to other sequences.
-            m_ref[h] = jnp.where(update_l, jnp.broadcast_to(m_new, (rows, _LANES)), m_ref[h])
-            l_ref[h] = jnp.where(update_l, jnp.broadcast_to(l_new, (rows, _LANES)), l_ref[h])
-            acc_ref[h] = jnp.where(update_d, alpha * acc_ref[h] + pv, acc_ref[h])
+            m_ref[h, rs, :] = jnp.where(update_l, jnp.broadcast_to(m_new, (nrows, _LANES)), m_ref[h, rs, :])
+            l_ref[h, rs, :] = jnp.where(update_l, jnp.broadcast_to(l_new, (nrows, _LANES)), l_ref[h, rs, :])
+            acc_ref[h, rs, :] = jnp.where(update_d, alpha * acc_ref[h, rs, :] + pv, acc_ref[h, rs, :])
+
+    def compute(span, blk, slot):
+        if narrow_rows >= rows:
+            compute_block(span, blk, slot, 0, rows)
+            return
+
+        @pl.when(span["narrow"])
+        def _():
+            compute_block(span, blk, slot, pl.multiple_of(span["win"], row_tile), narrow_rows)
+
+        @pl.when(jnp.logical_not(span["narrow"]))
+        def _():
+            compute_block(span, blk, slot, 0, rows)
 
     def seq_cond(carry):
         seq, _, _ = carry
@@ -296,7 +540,7 @@ def _kernel(
                 start_block(nxt_span, nxt_span["blk_lo"], 1 - slot)
 
             wait_block(span, blk, slot)
-            compute_block(span, blk, slot)
+            compute(span, blk, slot)
             return 1 - slot
 
         slot = lax.fori_loop(span["blk_lo"], span["blk_hi"], kv_body, slot)
@@ -305,7 +549,7 @@ def _kernel(
 
     lax.while_loop(seq_cond, seq_body, (first_seq_ref[q_blk], jnp.int32(0), jnp.int32(0)))
 
-    for h in range(kvh_blk):
+    for h in range(kv_heads):
         l = jnp.max(l_ref[h], axis=1, keepdims=True)
         out = acc_ref[h] / jnp.where(l > 0.0, l, 1.0)
         o_ref[h] = jnp.where(l > 0.0, out, 0.0).astype(o_ref.dtype)
@@ -321,10 +565,18 @@ def q_block_seq_ranges(cu_q_lens: jax.Array, num_q_blocks: int, block_q: int) ->
     return jnp.minimum(lo, n), jnp.minimum(hi, n)
 
 
+def pool_as_slabs(kv_pages: jax.Array) -> jax.Array:
+    """[N, page_size, 2*KVH, D] -> [N, page_size * 2*KVH*D/128, 128], the kernel's page view."""
+    n, ps, c, d = kv_pages.shape
+    if (c * d) % _LANES:
+        raise ValueError(f"2 * kv_heads * head_dim = {c * d} is not a multiple of 128")
+    return kv_pages.reshape(n, ps * c * d // _LANES, _LANES)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
-                     "pages_per_block", "vmem_limit_bytes", "kv_split", "interpret"),
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block",
+                     "vmem_limit_bytes", "kv_split", "interpret", "pool_page_size"),
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,
@@ -342,47 +594,58 @@ def ragged_paged_attention_tpu(
     vmem_limit_bytes: int | None = None,
     kv_split: str | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    pool_page_size: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention on TPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
 
+    kv_pages: [N, page_size, 2*KVH, D], or the lane-dense [N, page_size * 2*KVH*D/128, 128]
+      with ``pool_page_size`` (no relayout copy for head_dim 64; see the module doc).
     block_q: query tokens per grid step (rounded up to the sublane tile).
     pages_per_block: pages per KV block (one DMA each, double-buffered).
-    kv_split: how K/V rows are picked out of a DMA'd block of combined heads: "strided"
-      (sublane-strided loads, the default on TPU) or "indexed" (plain indexing; the only one the
-      TPU interpreter runs, so the default in interpret mode).
+    vmem_limit_bytes: scoped VMEM limit; by default raised from the estimate up to the chip's VMEM.
+    kv_split: how K/V are picked out of a page slab: "strided" (sublane-strided loads, TPU) or
+      "emulated" (the same arithmetic on loaded values; what the TPU interpreter runs, the default
+      in interpret mode). "indexed" is accepted as an old name of "emulated".
     interpret: True or a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, combined, head_dim_kv = kv_pages.shape
+    if kv_pages.ndim == 4:
+        num_pages, page_size, combined, head_dim_kv = kv_pages.shape
+        kv_heads = combined // 2
+        if combined % 2 or num_heads % kv_heads or head_dim_kv != head_dim:
+            raise ValueError(f"incompatible shapes q={q.shape} kv_pages={kv_pages.shape}")
+        slabs = pool_as_slabs(kv_pages)
+    elif kv_pages.ndim == 3 and pool_page_size:
+        slabs, page_size = kv_pages, pool_page_size
+        num_pages, page_rows, _ = kv_pages.shape
+        kv_heads = page_rows * _LANES // (2 * page_size * head_dim)
+        if kv_pages.shape[2] != _LANES or kv_heads * 2 * page_size * head_dim != page_rows * _LANES:
+            raise ValueError(f"incompatible shapes q={q.shape} kv_pages={kv_pages.shape} page_size={page_size}")
+    else:
+        raise ValueError(f"kv_pages must be [N, page, 2*KVH, D] or [N, rows, 128] with pool_page_size; "
+                         f"got {kv_pages.shape}")
     max_seqs, pages_per_seq = page_tables.shape
-    kv_heads = combined // 2
-    if combined % 2 or num_heads % kv_heads or head_dim_kv != head_dim:
-        raise ValueError(f"incompatible shapes q={q.shape} kv_pages={kv_pages.shape}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    group = num_heads // kv_heads
-    kv_split = kv_split or ("indexed" if interpret else "strided")
-    if kv_split not in ("strided", "indexed"):
-        raise ValueError(f"kv_split must be 'strided' or 'indexed', got {kv_split!r}")
+    kv_split = {"indexed": "emulated"}.get(kv_split, kv_split) or ("emulated" if interpret else "strided")
+    if kv_split not in ("strided", "emulated"):
+        raise ValueError(f"kv_split must be 'strided' or 'emulated', got {kv_split!r}")
+    if kv_split == "emulated" and not interpret and kv_pages.dtype.itemsize != 4:
+        # Mosaic rejects the value-level bf16 -> uint32 pair bitcast ("Changing bitwidths not supported")
+        raise ValueError("kv_split='emulated' is for the TPU interpreter; on a TPU 16-bit pools need 'strided'")
 
-    default_q, default_pages = default_block_sizes(page_size, bool(interpret))
-    q_per_blk = block_q or default_q
-    pages_per_blk = pages_per_block or default_pages
-    pages_per_blk = max(1, min(pages_per_blk, pages_per_seq))
-    kvh_blk = _kv_heads_per_block(kv_heads, kv_pages.dtype)
-    buf_bytes = 2 * pages_per_blk * page_size * 2 * kvh_blk * head_dim * kv_pages.dtype.itemsize
-    while pages_per_blk > 1 and buf_bytes > _VMEM_KV_BUDGET:
-        pages_per_blk //= 2
-        buf_bytes //= 2
-    # Rows of a q tile must fill sublane tiles: make tokens-per-block a multiple of the tile.
-    tile = 8 * _sublane_packing(q.dtype)
-    q_per_blk = min(q_per_blk, -(-num_tokens // 8) * 8)
-    q_per_blk = -(-q_per_blk // tile) * tile
+    plan = plan_tpu_launch(
+        num_tokens=num_tokens, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
+        page_size=page_size, max_seqs=max_seqs, pages_per_seq=pages_per_seq, q_dtype=q.dtype,
+        kv_dtype=kv_pages.dtype, block_q=block_q, pages_per_block=pages_per_block,
+        interpret=bool(interpret), vmem_limit_bytes=vmem_limit_bytes)
+    group = plan.group
+    q_per_blk = plan.block_q
     num_q_blocks = -(-num_tokens // q_per_blk)
-    num_tokens_padded = num_q_blocks * q_per_blk
     rows = q_per_blk * group
+    lanes_q = plan.lanes_q
 
-    q_grouped = _regroup_queries(q, kv_heads, num_tokens_padded)
+    q_grouped = _regroup_queries(q, kv_heads, num_q_blocks * q_per_blk, lanes_q)
     # Clamp page ids: a bad table entry must not become an out-of-bounds DMA.
     tables = jnp.clip(page_tables.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
     kv_lens = kv_lens.astype(jnp.int32)
@@ -390,32 +653,50 @@ def ragged_paged_attention_tpu(
     num_seqs = num_seqs.astype(jnp.int32).reshape(1)
     first_seq, _ = q_block_seq_ranges(cu_q_lens, num_q_blocks, q_per_blk)
 
-    q_spec = pl.BlockSpec((kvh_blk, rows, head_dim), lambda hb, qb, *_: (hb, qb, 0))
+    q_spec = pl.BlockSpec((kv_heads, rows, lanes_q), lambda qb, *_: (0, qb, 0))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap), group=group, max_seqs=max_seqs,
-        pages_per_seq=pages_per_seq, kv_split=kv_split)
+        pages_per_seq=pages_per_seq, pages_per_blk=plan.pages_per_block, page_size=page_size,
+        head_dim=head_dim, narrow_rows=plan.narrow_rows, row_tile=_sublane_tile(q.dtype),
+        kv_split=kv_split)
     if interpret is True:
         interpret = pltpu.InterpretParams()
+    kv_rows = plan.pages_per_block * page_size * plan.rows_per_token
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            grid=(kv_heads // kvh_blk, num_q_blocks),
+            grid=(num_q_blocks,),
             in_specs=[q_spec, pl.BlockSpec(memory_space=_ANY)],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, pages_per_blk, page_size, 2 * kvh_blk, head_dim), kv_pages.dtype),
+                pltpu.VMEM((2, kv_rows, _LANES), kv_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
-                pltpu.VMEM((kvh_blk, rows, _LANES), jnp.float32),
-                pltpu.VMEM((kvh_blk, rows, _LANES), jnp.float32),
-                pltpu.VMEM((kvh_blk, rows, head_dim), jnp.float32),
+                pltpu.VMEM((kv_heads, rows, _LANES), jnp.float32),
+                pltpu.VMEM((kv_heads, rows, _LANES), jnp.float32),
+                pltpu.VMEM((kv_heads, rows, lanes_q), jnp.float32),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
         compiler_params=_CompilerParams(
-            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
+            dimension_semantics=("parallel",), vmem_limit_bytes=None if interpret else plan.vmem_limit_bytes),
         interpret=interpret or False,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, tables, cu_q_lens, num_seqs, first_seq, q_grouped, kv_pages)
-    return _ungroup_output(out, num_tokens, num_heads)
+    )(kv_lens, tables, cu_q_lens, num_seqs, first_seq, q_grouped, slabs)
+    return _ungroup_output(out, num_tokens, num_heads, head_dim)
+
+
+def write_kv_rows(pool_slabs: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+                  page_size: int) -> jax.Array:
+    """KV write into a lane-dense pool ``[N, page_size * W, 128]``: new K/V [T, KVH, D] into their
+    slots. Same bytes as ``jaxserve.attention.write_kv`` on the 4-D pool, but a scatter of whole
+    128-lane rows (slot s owns rows s*W .. s*W+W-1), so XLA keeps the pool's layout (no copies)."""
+    num_pages, page_rows, lanes = pool_slabs.shape
+    w = page_rows // page_size
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0] * w, lanes).astype(pool_slabs.dtype)
+    rows = (slot_mapping[:, None] * w + jnp.arange(w, dtype=slot_mapping.dtype)[None, :]).reshape(-1)
+    # Slots past the pool (never produced by the engine) must drop, not wrap into another row.
+    rows = jnp.where(jnp.repeat(slot_mapping, w) < num_pages * page_size, rows, num_pages * page_rows)
+    flat = pool_slabs.reshape(num_pages * page_rows, lanes).at[rows].set(kv, mode="drop")
+    return flat.reshape(pool_slabs.shape)
