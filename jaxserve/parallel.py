@@ -48,6 +48,16 @@ PARAM_SPECS: dict[str, P] = {
     "w_gate": P(None, None, "model"),  # [L, E, F] column-parallel
     "w_up": P(None, None, "model"),
     "w_down": P(None, "model", None),  # [L, F, E] row-parallel
+    # Mixture of experts: expert parallelism over the same `model` axis (see moe.py and
+    # docs/parallelism.md): each device holds X/T whole experts; the router is replicated.
+    "router": P(),  # [L, E, X]
+    "we_gate": P(None, "model", None, None),  # [L, X, E, F]
+    "we_up": P(None, "model", None, None),
+    "we_down": P(None, "model", None, None),  # [L, X, F, E]
+    "ws_gate": P(None, None, "model"),  # Qwen2-MoE's shared expert: a dense MLP, tensor-parallel
+    "ws_up": P(None, None, "model"),
+    "ws_down": P(None, "model", None),
+    "shared_gate": P(),  # [L, E]
 }
 # KV pool [L, num_pages, page_size, 2*KVH, D]: K/V interleaved on the head axis, split by heads.
 KV_POOL_SPEC = P(None, None, None, "model", None)
@@ -124,7 +134,15 @@ def head_layout(cfg: ModelConfig, tp: int) -> HeadLayout:
 
 def check_splittable(cfg: ModelConfig, tp: int) -> None:
     """The dimensions that are split without padding must divide by the model axis."""
-    for name, size in (("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+    dims = []
+    if cfg.is_moe:  # experts are split whole over the model axis; the shared expert like a dense MLP
+        dims.append(("num_experts", cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:
+            dims.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
+    else:
+        dims.append(("intermediate_size", cfg.intermediate_size))
+    dims.append(("vocab_size", cfg.vocab_size))
+    for name, size in dims:
         if size % tp:
             raise ValueError(f"cannot split the model over {tp} devices: {name}={size} is not divisible by {tp}; "
                              f"choose a model axis that divides it")

@@ -24,7 +24,23 @@ LAYER_NAMES: dict[str, tuple[str, bool]] = {
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
+    # MoE routers [X, E] (Qwen-MoE: mlp.gate; Mixtral: block_sparse_moe.gate) and Qwen2-MoE's shared expert.
+    "mlp.gate.weight": ("router", True),
+    "block_sparse_moe.gate.weight": ("router", True),
+    "mlp.shared_expert.gate_proj.weight": ("ws_gate", True),
+    "mlp.shared_expert.up_proj.weight": ("ws_up", True),
+    "mlp.shared_expert.down_proj.weight": ("ws_down", True),
+    "mlp.shared_expert_gate.weight": ("shared_gate", False),  # [1, E], reshaped to [E]
 }
+# Per-expert suffix (after `...experts.N.`) -> our stacked [L, X, ...] name; all are transposed.
+EXPERT_NAMES: dict[str, str] = {
+    "gate_proj.weight": "we_gate", "up_proj.weight": "we_up", "down_proj.weight": "we_down",  # Qwen-MoE
+    "w1.weight": "we_gate", "w3.weight": "we_up", "w2.weight": "we_down",  # Mixtral
+}
+_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
+# transformers 5 in memory (and checkpoints saved without its reverse mapping) fuse the experts:
+# gate_up_proj [X, 2F, E] (gate rows first), down_proj [X, E, F].
+_FUSED_EXPERTS = {"mlp.experts.gate_up_proj": "gate_up", "mlp.experts.down_proj": "down"}
 GLOBAL_NAMES: dict[str, tuple[str, bool]] = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -42,11 +58,45 @@ class StackedParams:
         # Allocated in the serving dtype so a bf16 model never holds a float32 copy of itself.
         self.arrays = {n: np.empty(s, dtype) for n, s in self.shapes.items()}
         self.seen: set[tuple[str, int]] = set()
+        self.seen_experts: set[tuple[str, int, int]] = set()
+
+    def _put(self, name: str, index: tuple[int, ...], value: np.ndarray, hf_name: str) -> None:
+        if name not in self.shapes:
+            raise ValueError(f"checkpoint tensor {hf_name!r} does not fit config {self.cfg.architecture}")
+        target = self.arrays[name][index]
+        if value.shape != target.shape:
+            raise ValueError(f"tensor {hf_name!r} has shape {value.shape}, expected {target.shape}")
+        target[...] = value
+
+    def _add_experts(self, layer: int, suffix: str, value: np.ndarray, hf_name: str) -> bool:
+        """Expert tensors, one per expert or fused over experts. False: not an expert tensor."""
+        m = _EXPERT_RE.match(suffix)
+        if m and m.group(2) in EXPERT_NAMES:
+            expert, name = int(m.group(1)), EXPERT_NAMES[m.group(2)]
+            if expert >= self.cfg.num_experts:
+                raise ValueError(f"checkpoint tensor {hf_name!r}: the config has {self.cfg.num_experts} experts")
+            self._put(name, (layer, expert), value.T, hf_name)
+            self.seen_experts.add((name, layer, expert))
+            return True
+        if suffix in _FUSED_EXPERTS:
+            X = self.cfg.num_experts
+            if _FUSED_EXPERTS[suffix] == "gate_up":
+                F = value.shape[1] // 2
+                parts = {"we_gate": value[:, :F], "we_up": value[:, F:]}
+            else:
+                parts = {"we_down": value}
+            for name, part in parts.items():
+                self._put(name, (layer,), np.swapaxes(part, 1, 2), hf_name)
+                self.seen_experts.update((name, layer, e) for e in range(X))
+            return True
+        return False
 
     def add(self, hf_name: str, tensor: np.ndarray) -> None:
         m = _LAYER_RE.match(hf_name)
         if m:
             layer, suffix = int(m.group(1)), m.group(2)
+            if layer < self.cfg.num_layers and self._add_experts(layer, suffix, np.asarray(tensor), hf_name):
+                return
             if suffix not in LAYER_NAMES or layer >= self.cfg.num_layers:
                 return  # e.g. rotary_emb.inv_freq buffers: recomputed, not loaded
             name, transpose = LAYER_NAMES[suffix]
@@ -62,6 +112,8 @@ class StackedParams:
         value = np.asarray(tensor)
         if transpose:
             value = value.T
+        if name == "shared_gate":
+            value = value.reshape(-1)
         target = self.arrays[name] if layer < 0 else self.arrays[name][layer]
         if value.shape != target.shape:
             raise ValueError(f"tensor {hf_name!r} has shape {value.shape}, expected {target.shape}")
@@ -70,8 +122,12 @@ class StackedParams:
 
     def finish(self) -> dict[str, np.ndarray]:
         missing = []
+        expert_names = set(EXPERT_NAMES.values())
         for name, shape in self.shapes.items():
-            if len(shape) >= 1 and name in {n for n, _ in LAYER_NAMES.values()}:
+            if name in expert_names:
+                missing += [f"{name}[{l}][{e}]" for l in range(self.cfg.num_layers)
+                            for e in range(self.cfg.num_experts) if (name, l, e) not in self.seen_experts]
+            elif len(shape) >= 1 and name in {n for n, _ in LAYER_NAMES.values()}:
                 missing += [f"{name}[{l}]" for l in range(self.cfg.num_layers) if (name, l) not in self.seen]
             elif (name, -1) not in self.seen:
                 missing.append(name)

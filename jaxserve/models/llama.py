@@ -1,4 +1,5 @@
-"""One Llama-family decoder in Flax NNX: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3.
+"""One Llama-family decoder in Flax NNX: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts members Qwen3-MoE, Mixtral, Qwen2-MoE (the MLP swapped for ``moe.moe_mlp``).
 
 Layer weights are stacked on a leading layer axis and the layers run under ``lax.scan``: one
 layer is compiled once, whatever the depth. The model knows nothing of serving: it takes token
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.attention import AttentionMetadata, write_kv
+from jaxserve.models.moe import MOE_LAYER_PARAMS, moe_mlp
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,17 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (num_experts > 0: every layer's MLP is a routed set of experts).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router: str = "softmax_topk"  # Qwen-MoE: softmax then top-k; "topk_softmax": Mixtral's order
+    norm_topk_prob: bool = True  # renormalise the chosen k probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -99,10 +112,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "wv": (L, E, kvd),
         "wo": (L, qd, E),
         "mlp_norm": (L, E),
-        "w_gate": (L, E, F),
-        "w_up": (L, E, F),
-        "w_down": (L, F, E),
     }
+    if cfg.is_moe:
+        X, Fe, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        # Experts stacked [L, X, ...] so that one grouped matmul indexes them by expert id.
+        shapes.update(router=(L, E, X), we_gate=(L, X, E, Fe), we_up=(L, X, E, Fe), we_down=(L, X, Fe, E))
+        if S:
+            shapes.update(ws_gate=(L, E, S), ws_up=(L, E, S), ws_down=(L, S, E), shared_gate=(L, E))
+    else:
+        shapes.update(w_gate=(L, E, F), w_up=(L, E, F), w_down=(L, F, E))
     if cfg.attention_bias:
         shapes.update(bq=(L, qd), bk=(L, kvd), bv=(L, kvd))
     if cfg.qk_norm:
@@ -113,7 +131,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
-                "bq", "bk", "bv", "q_norm", "k_norm")
+                "bq", "bk", "bv", "q_norm", "k_norm") + MOE_LAYER_PARAMS
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -123,6 +141,10 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
         self.dtype = dtype
+        # How experts are computed ("auto": lax.ragged_dot on TPU/GPU, the tiled loop on CPU) and
+        # the mesh their weights are split over (None: unsplit). Static, not parameters.
+        self.moe_impl = "auto"
+        self.expert_mesh = None
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
         rngs = rngs or nnx.Rngs(0)
         for name, shape in param_shapes(cfg).items():
@@ -162,6 +184,10 @@ class LlamaForCausalLM(nnx.Module):
                 raise ValueError(f"parameter {name!r} is {value.dtype}{tuple(value.shape)}, "
                                  f"the config needs {jnp.dtype(dtype)}{shape}")
             setattr(model, name, nnx.Param(value))
+        if cfg.is_moe:
+            from jaxserve.models.moe import expert_mesh_of
+
+            model.expert_mesh = expert_mesh_of(params["we_gate"])
         model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)) if inv_freq is None else inv_freq)
         return model
 
@@ -183,7 +209,8 @@ class LlamaForCausalLM(nnx.Module):
         T = tokens.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq = self.inv_freq[...]
-        layer_params = {n: getattr(self, n)[...] for n in LAYER_PARAMS if hasattr(self, n)}
+        have = param_shapes(cfg)
+        layer_params = {n: getattr(self, n)[...] for n in LAYER_PARAMS if n in have}
         # The pool is viewed flat over layers: layer l's pages are l*num_pages + page. Gathers and
         # scatters then index one array, which XLA updates in place inside the scan carry.
         pool = kv_cache.reshape(L * num_pages, *kv_cache.shape[2:])
@@ -209,7 +236,10 @@ class LlamaForCausalLM(nnx.Module):
             )
             x = x + attn.reshape(T, H * D).astype(x.dtype) @ p["wo"]
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            if cfg.is_moe:
+                x = x + moe_mlp(h, p, cfg, impl=self.moe_impl, mesh=self.expert_mesh).astype(x.dtype)
+            else:
+                x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
             return (x, pool), None
 
         x = self.embed[...][tokens].astype(self.dtype)

@@ -1,4 +1,7 @@
-"""Which checkpoint architectures map onto our one Llama-family decoder, and how their configs read."""
+"""Which checkpoint architectures map onto our one Llama-family decoder, and how their configs read.
+
+A mixture-of-experts family is a feature set here plus its names in ``loading.hf_names``: the
+decoder is shared, only the MLP differs (``models.moe``)."""
 
 from __future__ import annotations
 
@@ -7,12 +10,19 @@ from typing import Any
 from jaxserve.models.llama import ModelConfig
 
 # HF `architectures` entry -> features beyond plain Llama.
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    # Mixtral: top-k over the logits, softmax over the chosen (always normalised); expert FFN
+    # width is `intermediate_size`; Mistral's sliding window.
+    "MixtralForCausalLM": {"moe": True, "router": "topk_softmax", "norm_topk_prob": True},
+    # Qwen-MoE: softmax over all experts, then top-k, renormalised when `norm_topk_prob`.
+    "Qwen3MoeForCausalLM": {"moe": True, "qk_norm": True},
+    "Qwen2MoeForCausalLM": {"moe": True, "attention_bias": True, "shared_expert": True},
 }
+SLIDING_BY_DEFAULT = ("MistralForCausalLM", "MixtralForCausalLM")
 
 
 def check_architecture(arch: str) -> None:
@@ -39,7 +49,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     attention_bias = features.get("attention_bias", False) or bool(hf.get("attention_bias", False))
-    sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch in SLIDING_BY_DEFAULT) else None
     rope_scaling = hf.get("rope_scaling")
     rope_theta = hf.get("rope_theta")
     # transformers 5 moved rope settings into `rope_parameters`.
@@ -48,7 +58,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_theta = params.get("rope_theta", 10000.0)
     if rope_scaling is None and params.get("rope_type", "default") != "default":
         rope_scaling = params
+    moe = _moe_fields(hf, arch, features) if features.get("moe") else {}
     return ModelConfig(
+        **moe,
         architecture=arch,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -67,4 +79,28 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         sliding_window=sliding,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+    )
+
+
+def _moe_fields(hf: dict[str, Any], arch: str, features: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 saves Qwen3-MoE's expert count as `num_local_experts`; the hub's configs say `num_experts`.
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if not experts:
+        raise ValueError(f"{arch} config.json has no num_experts / num_local_experts")
+    # Qwen-MoE can interleave dense layers (mlp_only_layers, decoder_sparse_step); the stacked
+    # layer scan needs one MLP kind for every layer, and the released checkpoints are all sparse.
+    layers = hf["num_hidden_layers"]
+    step = hf.get("decoder_sparse_step", 1) or 1
+    dense = sorted(set(hf.get("mlp_only_layers") or []) | {l for l in range(layers) if (l + 1) % step})
+    if dense:
+        raise ValueError(f"{arch}: layers {dense} are dense (mlp_only_layers / decoder_sparse_step={step}); "
+                         f"only all-sparse MoE checkpoints are supported")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        router=features.get("router", "softmax_topk"),
+        norm_topk_prob=bool(features.get("norm_topk_prob", hf.get("norm_topk_prob", False))),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+        if features.get("shared_expert") else 0,
     )
