@@ -7,7 +7,9 @@ the batch around it, and a request resumed after preemption continues identicall
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -83,27 +85,272 @@ def _apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return logits - s.presence_penalty[:, None] * (out_counts > 0)
 
 
-def _sample_stochastic(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    rows, vocab = logits.shape
-    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+# ---- stochastic sampling ---------------------------------------------------------------------
+# Target distribution (unchanged from the full-sort sampler this replaces): scale by temperature;
+# order tokens by scaled logit, ties by lower id (a stable sort); keep the first k (top-k), then,
+# on the top-k-renormalized probabilities, keep tokens whose mass before them is < top_p (the first
+# token always stays) and whose probability is >= min_p * the largest; sample among those.
+# Every kept set is a prefix of that order, so it can be found without sorting the vocabulary:
+#   - no top-k / top-p: a masked inverse CDF over the full vocabulary (one uniform per row);
+#   - top-k <= _K_MAX, or small top_p: lax.top_k over a bounded set, then the prefix in there;
+#   - top-p whose prefix is not known to close within a bounded set: rejection. Draw from the
+#     (min-p masked) full distribution and accept iff the mass strictly before the draw is
+#     < top_p; the kept mass is >= top_p, so a draw is accepted with probability >= top_p.
+#     Rows still rejected get more rounds, then the exact full sort, so that correctness never
+#     depends on a bound.
+
+_BLOCK = 256  # inverse-CDF block: block sums over the vocabulary, then one cumsum inside a block
+_K_BUCKETS = (64, 256, 1024, 4096)  # lax.top_k sizes; its cost grows fast with k on CPU
+_K_MAX = _K_BUCKETS[-1]
+_SMALL_TOP_P = 0.5  # below this a rejection round is too often lost; try the top-k set first
+_ROUNDS = 32  # rejection rounds for rows left over from the first one, before the full sort
+_PENDING_ROWS = 4  # rows gathered per iteration for those (rare) rows
+_SORT_ROUND = 1 << 20  # fold_in tag of the noise used by the full-sort fallback
+
+
+def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def _round_uniform(key: jax.Array, r: jax.Array | int) -> jax.Array:
+    return jax.random.uniform(jax.random.fold_in(key, r), (), jnp.float32)
+
+
+def _weights(scaled: jax.Array, m: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Unnormalized probabilities relative to the row max, zero below the min-p threshold."""
+    e = jnp.exp(scaled - m[:, None])
+    return jnp.where(e >= min_p[:, None], e, 0.0)
+
+
+def _pick(cum: jax.Array, w: jax.Array, target: jax.Array) -> jax.Array:
+    """First index whose cumulative weight exceeds target, never one of weight 0 (guards
+    rounding at the end of a row). cum [R, N], w [R, N], target [R]."""
+    n = w.shape[-1]
+    pos = jnp.sum(cum <= target[:, None], axis=-1)
+    last = jnp.max(jnp.where(w > 0, jnp.arange(n)[None, :], 0), axis=-1)
+    return jnp.minimum(pos, last)
+
+
+def _block_sums(scaled: jax.Array, m: jax.Array, min_p: jax.Array) -> jax.Array:
+    rows, vocab = scaled.shape
+    return _weights(scaled, m, min_p).reshape(rows, vocab // _BLOCK, _BLOCK).sum(-1)
+
+
+def _inverse_cdf(scaled: jax.Array, m: jax.Array, min_p: jax.Array, u: jax.Array, bsum: jax.Array) -> jax.Array:
+    """Sample id ~ _weights(...) with one uniform per row, in two levels so that only the block
+    sums (bsum, from _block_sums) touch the whole vocabulary. scaled [R, V], V a multiple of _BLOCK."""
+    rows, vocab = scaled.shape
+    nb = vocab // _BLOCK
+    bcum = jnp.cumsum(bsum, axis=-1)
+    target = u * bcum[:, -1]
+    blk = _pick(bcum, bsum, target)
+    before = jnp.where(blk > 0, jnp.take_along_axis(bcum, jnp.maximum(blk - 1, 0)[:, None], -1)[:, 0], 0.0)
+    inner_s = jnp.take_along_axis(scaled.reshape(rows, nb, _BLOCK), blk[:, None, None], 1)[:, 0]
+    inner = _weights(inner_s, m, min_p)
+    pos = _pick(jnp.cumsum(inner, axis=-1), inner, target - before)
+    return (blk * _BLOCK + pos).astype(jnp.int32)
+
+
+def _mass_before(scaled: jax.Array, m: jax.Array, cand: jax.Array) -> jax.Array:
+    """Unnormalized mass of the tokens that precede cand in (value desc, id asc) order."""
+    s_c = jnp.take_along_axis(scaled, cand[:, None], -1)
+    ids = jnp.arange(scaled.shape[1])[None, :]
+    precedes = (scaled > s_c) | ((scaled == s_c) & (ids < cand[:, None]))
+    return jnp.sum(jnp.where(precedes, jnp.exp(scaled - m[:, None]), 0.0), axis=-1)
+
+
+def _sample_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                   keys: jax.Array) -> jax.Array:
+    """The full-sort sampler (the previous implementation), kept as the exact fallback."""
+    vocab = scaled.shape[1]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(s.top_k > 0, s.top_k, vocab)[:, None]
+    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
     sorted_logits = jnp.where(rank < k, sorted_logits, -jnp.inf)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # top-p keeps the smallest prefix whose mass reaches p (the first token always stays).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < s.top_p[:, None]) & (probs >= s.min_p[:, None] * probs[:, :1])
+    keep = (mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
     sorted_logits = jnp.where(keep | (rank == 0), sorted_logits, -jnp.inf)
-
-    def row_key(seed, step):
-        return jax.random.fold_in(jax.random.key(seed), step)
-
-    keys = jax.vmap(row_key)(s.seeds, s.steps)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, _SORT_ROUND), (vocab,)))(keys)
     choice = jnp.argmax(sorted_logits + gumbel, axis=-1)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _row_block(num_rows: int) -> int:
+    return next(r for r in (16, 8, 4, 2, 1) if num_rows % r == 0)
+
+
+def _by_row_blocks(need: jax.Array, fn: Callable[..., Any], init: Any, *arrays: jax.Array) -> Any:
+    """Run fn on each contiguous block of rows that holds a row in need, and write its results
+    into init for those rows only: a path few rows take costs only their blocks."""
+    rows = need.shape[0]
+    r = _row_block(rows)
+
+    def body(b, out):
+        start = b * r
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, r, 0)
+        sub_need = sl(need)
+
+        def run(out):
+            res = fn(*[sl(a) for a in arrays])
+            return jax.tree.map(lambda o, x: jax.lax.dynamic_update_slice_in_dim(
+                o, jnp.where(sub_need.reshape((r,) + (1,) * (x.ndim - 1)), x, sl(o)), start, 0), out, res)
+
+        return jax.lax.cond(jnp.any(sub_need), run, lambda o: o, out)
+
+    return jax.lax.cond(jnp.any(need), lambda: jax.lax.fori_loop(0, rows // r, body, init), lambda: init)
+
+
+def _top_k_buckets(vocab: int) -> list[int]:
+    return sorted({min(k, vocab) for k in _K_BUCKETS})
+
+
+def _top_k_path(kk: int, scaled: jax.Array, m: jax.Array, z: jax.Array, k_eff: jax.Array, top_p: jax.Array,
+                min_p: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sample within the lax.top_k set of size kk. Returns (token, closed): closed is False where
+    the kept prefix may extend past the set (only possible without top-k); that token is unused."""
+    vocab = scaled.shape[1]
+    vals, idx = jax.lax.top_k(scaled, kk)
+    rank = jnp.arange(kk)[None, :]
+    in_k = (k_eff[:, None] <= 0) | (rank < k_eff[:, None])
+    # the row max comes in as m: slicing vals[:, :1] here makes XLA's CPU compiler turn
+    # lax.top_k back into a full sort (seen with jax 0.10.2)
+    e = jnp.where(in_k, jnp.exp(vals - m[:, None]), 0.0)
+    total = jnp.where(k_eff > 0, jnp.sum(e, axis=-1), z)  # top-k renormalizes within k
+    cum = jnp.cumsum(e, axis=-1)
+    keep = ((cum - e < top_p[:, None] * total[:, None]) | (top_p[:, None] >= 1.0)) & (e >= min_p[:, None])
+    keep = (keep & in_k) | (rank == 0)
+    w = jnp.where(keep, e, 0.0)
+    wcum = jnp.cumsum(w, axis=-1)
+    pos = _pick(wcum, w, u * wcum[:, -1])
+    tok = jnp.take_along_axis(idx, pos[:, None], -1)[:, 0].astype(jnp.int32)
+    closed = (k_eff > 0) | ~keep[:, -1] | (kk >= vocab)
+    return tok, closed
+
+
+def _pending_rows(scaled: jax.Array, m: jax.Array, z: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array, keys: jax.Array, may_reject: jax.Array, valid: jax.Array) -> jax.Array:
+    """Rows not settled by the fast paths: more rejection rounds (where allowed), then the full
+    sort for what is left. Rows not valid are padding and must not start the sort."""
+    rows, vocab = scaled.shape
+    nb = vocab // _BLOCK
+    wb = _weights(scaled, m, min_p).reshape(rows, nb, _BLOCK)
+    bsum = wb.sum(-1)
+    bcum = jnp.cumsum(bsum, axis=-1)
+
+    def draw(r):
+        u = jax.vmap(_round_uniform, in_axes=(0, None))(keys, r)
+        target = u * bcum[:, -1]
+        blk = _pick(bcum, bsum, target)
+        before = jnp.where(blk > 0, jnp.take_along_axis(bcum, jnp.maximum(blk - 1, 0)[:, None], -1)[:, 0], 0.0)
+        inner = jnp.take_along_axis(wb, blk[:, None, None], 1)[:, 0]
+        pos = _pick(jnp.cumsum(inner, axis=-1), inner, target - before)
+        return (blk * _BLOCK + pos).astype(jnp.int32)
+
+    def cond(state):
+        r, _, done = state
+        return (r <= _ROUNDS) & ~jnp.all(done)
+
+    def body(state):
+        r, tok, done = state
+        cand = draw(r)
+        ok = may_reject & ~done & (_mass_before(scaled, m, cand) < top_p * z)
+        return r + 1, jnp.where(ok, cand, tok), done | ok
+
+    may_reject = may_reject & valid
+    _, tok, done = jax.lax.while_loop(cond, body, (jnp.int32(1), jnp.zeros(rows, jnp.int32), ~may_reject))
+    done = done & may_reject
+    exact = jax.lax.cond(jnp.any(valid & ~done), lambda: _sample_sorted(scaled, top_k, top_p, min_p, keys),
+                         lambda: tok)
+    return jnp.where(done, tok, exact)
+
+
+def _sample_stochastic(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    rows, vocab = logits.shape
+    stoch = s.temperature > 0
+    scaled = logits / jnp.maximum(jnp.where(stoch, s.temperature, 1.0), 1e-6)[:, None]
+    pad = -vocab % _BLOCK
+    if pad:  # -inf padding has zero weight and sorts last
+        scaled = jnp.pad(scaled, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    k_eff = jnp.where((s.top_k > 0) & (s.top_k < vocab), s.top_k, 0)
+    has_p = s.top_p < 1.0
+    use_top_k = stoch & (k_eff > 0) & (k_eff <= _K_MAX)
+    exact_only = stoch & (k_eff > _K_MAX)
+    nucleus = stoch & (k_eff == 0) & has_p
+    small_p = nucleus & (s.top_p < _SMALL_TOP_P)
+    full = stoch & (k_eff == 0) & ~has_p  # temperature and min-p only
+    keys = jax.vmap(_row_key)(s.seeds, s.steps)
+    u0 = jax.vmap(_round_uniform, in_axes=(0, None))(keys, 0)
+    m = jnp.max(scaled, axis=-1)
+    # exp over the vocabulary is the costliest pass: one for the normalizer and the block sums
+    # alike, a second one only if some row masks by min-p
+    no_min_p = jnp.zeros_like(s.min_p)
+    unmasked = _block_sums(scaled, m, no_min_p)
+    z = jnp.sum(unmasked, axis=-1)
+    bsum = jax.lax.cond(jnp.any(stoch & (s.min_p > 0)), lambda: _block_sums(scaled, m, s.min_p), lambda: unmasked)
+
+    # one draw from the (min-p masked) full distribution: the answer for `full` rows, the first
+    # rejection candidate for nucleus rows
+    cand = _inverse_cdf(scaled, m, s.min_p, u0, bsum)
+    tk_rows = use_top_k | small_p
+    # Each row gets the smallest bucket that holds its own k (small-top_p rows the smallest
+    # bucket), never one chosen by its neighbours: a bigger set could close a prefix that its own
+    # does not, which would change the token with the batch.
+    buckets = _top_k_buckets(scaled.shape[1])
+    own = jnp.sum(jnp.asarray(buckets)[None, :] < jnp.where(k_eff > 0, k_eff, 1)[:, None], axis=-1)
+    tk = (jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.bool_))
+    for b, kk in enumerate(buckets):
+        tk = _by_row_blocks(tk_rows & (own == b), functools.partial(_top_k_path, kk), tk,
+                            scaled, m, z, k_eff, s.top_p, s.min_p, u0)
+    tk_tok, tk_closed = tk
+    by_top_k = use_top_k | (small_p & tk_closed)
+    reject = nucleus & ~by_top_k
+
+    def first_round(scaled, m, z, cand, top_p):
+        return _mass_before(scaled, m, cand) < top_p * z
+
+    accepted = _by_row_blocks(reject, first_round, jnp.zeros(rows, jnp.bool_), scaled, m, z, cand, s.top_p)
+    pending = (reject & ~accepted) | exact_only
+
+    def more(state):
+        tok, left = state
+        idx = jnp.nonzero(left, size=_PENDING_ROWS, fill_value=rows)[0]
+        valid = idx < rows
+        g = jnp.minimum(idx, rows - 1)
+        res = _pending_rows(scaled[g], m[g], z[g], s.top_k[g], s.top_p[g], s.min_p[g], keys[g], reject[g], valid)
+        tok = tok.at[jnp.where(valid, idx, rows)].set(res, mode="drop")
+        return tok, left.at[jnp.where(valid, idx, rows)].set(False, mode="drop")
+
+    pend_tok, _ = jax.lax.while_loop(lambda st: jnp.any(st[1]), more, (jnp.zeros(rows, jnp.int32), pending))
+    tok = jnp.where(by_top_k, tk_tok, cand)
+    return jnp.where(pending, pend_tok, tok)
+
+
+def _first(hit: jax.Array) -> jax.Array:
+    n = hit.shape[-1]
+    return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def _argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax's answer (first maximum; first NaN if any), found through block maxima: XLA's
+    CPU backend runs argmax's paired-value reduction, and even a max-then-first-index pass over
+    [128, 49152], tens of times slower than a plain max over blocks (measured here)."""
+    rows, vocab = logits.shape
+    blk_size = next((b for b in (256, 128, 64, 32, 16) if vocab % b == 0), None)
+    if blk_size is None:  # odd vocabulary sizes: the two-reduction form over whole rows
+        m = jnp.max(logits, axis=-1, keepdims=True)
+        return jnp.minimum(_first((logits == m) | jnp.isnan(logits)), vocab - 1).astype(jnp.int32)
+    nb = vocab // blk_size
+    xb = logits.reshape(rows, nb, blk_size)
+    bm = jnp.max(xb, axis=-1)
+    m = jnp.max(bm, axis=-1, keepdims=True)
+    nan_blk = jnp.any(jnp.isnan(xb), axis=-1)  # a block max need not carry a NaN through
+    any_nan = jnp.any(nan_blk, axis=-1, keepdims=True)
+    blk = jnp.minimum(_first(jnp.where(any_nan, nan_blk, bm == m)), nb - 1)
+    inner = jnp.take_along_axis(xb, blk[:, None, None], 1)[:, 0]
+    pos = _first(jnp.where(any_nan, jnp.isnan(inner), inner == m))
+    return (blk * blk_size + jnp.minimum(pos, blk_size - 1)).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
@@ -113,13 +360,17 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     any_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
     logits = jax.lax.cond(any_penalty, _apply_penalties, lambda l, _: l, logits, s)
     banned_valid = s.banned >= 0
-    row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], s.banned.shape)
-    ban = jnp.zeros((rows, vocab), jnp.bool_).at[row_idx, jnp.where(banned_valid, s.banned, 0)].max(banned_valid)
-    logits = jnp.where(ban, -jnp.inf, logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    all_greedy = jnp.all(s.temperature == 0.0)
-    sampled = jax.lax.cond(all_greedy, lambda l, _: greedy, _sample_stochastic, logits, s)
-    tokens = jnp.where(s.temperature == 0.0, greedy, sampled)
+
+    def apply_bans(l):  # -1 padding (and ids past the vocabulary) go out of range and are dropped
+        row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], s.banned.shape)
+        return l.at[row_idx, jnp.where(banned_valid, s.banned, vocab)].set(-jnp.inf, mode="drop")
+
+    logits = jax.lax.cond(jnp.any(banned_valid), apply_bans, lambda l: l, logits)
+    is_greedy = s.temperature == 0.0
+    # each path runs only if some row takes it; a row's token never depends on which others ran
+    greedy = jax.lax.cond(jnp.any(is_greedy), _argmax, lambda l: jnp.zeros(rows, jnp.int32), logits)
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda l, _: jnp.zeros(rows, jnp.int32), _sample_stochastic, logits, s)
+    tokens = jnp.where(is_greedy, greedy, sampled)
 
     def logprobs(l, toks):
         lp = jax.nn.log_softmax(l, axis=-1)
