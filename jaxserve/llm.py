@@ -56,10 +56,13 @@ class LLM:
                     engine.abort(sub)
             raise
         final: dict[str, RequestOutput] = {}
+        prompt_lps: dict[str, list] = {}  # only the first output of a request carries them
         total = sum(len(g) for g in groups)
         with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm, leave=False) as bar:
             while len(final) < total and engine.has_unfinished():
                 for out in engine.step():
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[out.request_id] = out.prompt_logprobs
                     if out.finished:
                         final[out.request_id] = out
                         bar.update()
@@ -69,6 +72,10 @@ class LLM:
             completions = [CompletionOutput(k, o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason,
                                             o.outputs[0].stop_reason, o.outputs[0].logprobs) for k, o in enumerate(outs)]
             first = outs[0]
+            # A request the engine failed alone reports why (its finish_reason is "abort").
+            error = next((o.error for o in outs if o.error is not None), None)
             results.append(RequestOutput(ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0], first.prompt,
-                                         first.prompt_token_ids, completions, True, first.num_cached_tokens))
+                                         first.prompt_token_ids, completions, True, first.num_cached_tokens,
+                                         prompt_logprobs=next((prompt_lps[i] for i in ids if i in prompt_lps), None),
+                                         error=error))
         return results

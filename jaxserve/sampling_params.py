@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-n logprobs computed on device for every sampled token
 MAX_N = 16
+# Ranges the device arrays can hold: the sampler takes int32 and float32 per-sequence values, so a
+# value outside them would fail a whole step (every request in it), not just its own request.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4e38
+MAX_STOP = 64  # stop strings per request (each matched against the text after every token)
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -25,28 +32,43 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-n logprobs of every prompt token (vLLM's name; OpenAI's echo)
     n: int = 1
     skip_special_tokens: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            shown = repr(getattr(self, name))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."  # a 1e400-digit int stays readable
+            return ValueError(f"{name} {why}, got {shown}")
 
         def finite(name: str) -> float:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, "must be a number")
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int past float's range
+                raise bad(name, "must be a finite number") from None
+            if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+                raise bad(name, "must be a finite number")
+            return number
 
-        def integer(name: str, allow_none: bool = False) -> None:
+        def integer(name: str, allow_none: bool = False, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX) -> None:
             value = getattr(self, name)
             if value is None and allow_none:
                 return
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, "must be an integer")
+            if not lo <= value <= hi:
+                raise bad(name, f"must be in [{lo}, {hi}]")
 
-        integer("max_tokens", allow_none=True)
+        def boolean(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
+
+        integer("max_tokens", allow_none=True)  # range: int32 (below)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", "must be at least 1")
         integer("min_tokens")
@@ -61,10 +83,12 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         integer("top_k")
         if self.top_k < -1:
-            raise bad("top_k", "must be -1 (disabled) or >= 0")
+            raise bad("top_k", "must be -1 (disabled) or >= 0")  # above int32 refused by integer()
         if not 0.0 <= finite("min_p") <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        integer("seed", allow_none=True)
+        integer("seed", allow_none=True, lo=-(2**63), hi=2**63 - 1)  # protobuf's int64, OpenAI's seed
+        boolean("ignore_eos")
+        boolean("skip_special_tokens")
         if finite("repetition_penalty") <= 0:
             raise bad("repetition_penalty", "must be > 0")
         if not -2.0 <= finite("presence_penalty") <= 2.0:
@@ -74,16 +98,27 @@ class SamplingParams:
         integer("logprobs", allow_none=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        integer("prompt_logprobs", allow_none=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         integer("n")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be in [1, {MAX_N}]")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise bad("stop", "must be a string or a list of strings")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise bad("stop", "must be non-empty strings")
+        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise bad("stop", f"must be at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
         self.stop_strings = stop
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise bad("stop_token_ids", "must be a list of integers")
         ids = list(self.stop_token_ids or [])
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in ids):
+            raise bad("stop_token_ids", f"must be integers in [0, {INT32_MAX}]")
         self.stop_token_ids = ids
 
     @property

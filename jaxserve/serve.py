@@ -1,20 +1,24 @@
 """python -m jaxserve.serve: gRPC and OpenAI-compatible HTTP over one engine, in one process.
 
 Both listeners come up at once (health NOT_SERVING, HTTP 503) while the model loads and every
-step bucket compiles; then health turns SERVING. SIGTERM stops admission, lets running requests
-finish within --grace-period, and exits 0.
+step bucket compiles; then health turns SERVING. SIGTERM (or SIGINT) drains both front ends the
+same way: readiness turns false (gRPC health NOT_SERVING, HTTP /health 503), new work gets
+UNAVAILABLE / 503 with Retry-After, requests in flight finish, or get a final error when
+--grace-period runs out; then the listeners close and the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from jaxserve.config import add_engine_args, config_from_args
 
@@ -33,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-sequences-per-request", type=int, default=128,
+                   help="cap on prompts x n in one HTTP request (so one request cannot fill the queue)")
+    p.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="GET /debug/pages: page-pool invariants and counts (for tests)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0 (else $JAX_COORDINATOR_ADDRESS)")
@@ -65,10 +73,11 @@ async def serve(args: argparse.Namespace) -> int:
     grpc_server, health = build_grpc_server(service, f"{args.host}:{args.grpc_port}", tls)
     await set_health(health, False)
     await grpc_server.start()
-    app = build_http_app(get_engine, metrics, model_name, args.api_key, args.max_request_bytes)
-    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
-                                         lifespan="off", timeout_graceful_shutdown=5))
-    http.install_signal_handlers = lambda: None  # we handle SIGTERM ourselves
+    app = build_http_app(get_engine, metrics, model_name, args.api_key, args.max_request_bytes,
+                         args.max_sequences_per_request, args.enable_debug_endpoints)
+    # By the time uvicorn is told to exit, the drain is over: the handlers only flush their last bytes.
+    http = _http_server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
+                                      access_log=False, lifespan="off", timeout_graceful_shutdown=5))
     http_task = asyncio.ensure_future(http.serve())
 
     stop = asyncio.Event()
@@ -119,10 +128,29 @@ async def serve(args: argparse.Namespace) -> int:
             status = 1
     else:
         await asyncio.to_thread(load.result().shutdown)
-    await grpc_server.stop(1.0)
+    # The engine has ended every request (finished, or failed with a final error): give the
+    # handlers a moment to send those last messages, then close both listeners.
     http.should_exit = True
-    await http_task
+    await asyncio.gather(grpc_server.stop(2.0), http_task)
     return status
+
+
+def _http_server(config: "uvicorn.Config") -> "uvicorn.Server":  # noqa: F821 - uvicorn imports late
+    import uvicorn
+
+    class HttpServer(uvicorn.Server):
+        """uvicorn without its own signal handling: uvicorn 0.55's serve() wraps itself in
+        capture_signals(), which replaces our SIGTERM handler and closes the port at once (the
+        install_signal_handlers hook of older versions is no longer called). We drain first."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+            return None
+
+    return HttpServer(config)
 
 
 def follow(args: argparse.Namespace) -> int:

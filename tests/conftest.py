@@ -85,6 +85,36 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+# Tests slow on 2 CPU cores (a default-model engine or server, an HF reference, a mesh or multi-host
+# worker, a venv): marked `slow` here by the fixtures they use, so that no test file needs editing to
+# join; a test may also carry @pytest.mark.slow itself. `make test-fast` runs `-m "not slow"`.
+SLOW_FIXTURES = {
+    "server",            # test_server.py: the default model behind both front ends
+    "srv",               # test_server_robust.py: a server process
+    "hf_default_model",  # transformers dequantizing the default GGUF, f32 forward passes
+    "llm_default",       # test_engine.py: the default model in process
+    "engines",           # test_prefix_cache.py: two default-model engines
+    "default_results",   # test_parallel.py: the default model over several meshes in a worker
+    "qwen3_results",
+}
+SLOW_TESTS = {  # each starts its own server or worker processes
+    "test_api_key_and_tls", "test_biases_and_sliding_window_on_a_mesh", "test_server_refuses_a_mesh",
+    "test_processes_started_with_different_settings", "test_expert_parallel_meshes_match_1x1",
+}
+
+
+SLOW_TIMEOUT = 1800  # s: the first test of a module pays for its server / worker fixture (600 s elsewhere)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or any(name.startswith(t) for t in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+
+
 def small_engine_options(**kw) -> dict:
     """Engine options for tests: small buckets, compiled on demand, no persistent cache."""
     opts = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=128, page_size=16,

@@ -63,6 +63,19 @@ def test_pages_of_is_a_copy():
     pool.check_invariants()
 
 
+def test_table_view_is_replaced_not_changed_by_growth():
+    pool = PagePool(6, 2)
+    assert pool.table("a") == () and pool.num_pages_held("a") == 0
+    pool.ensure_capacity("a", 2)
+    view = pool.table("a")
+    pool.ensure_capacity("a", 5)  # the scheduler may hold a view from earlier in the step
+    assert list(view) == [1] and list(pool.table("a")) == [1, 2, 3] == pool.pages_of("a")
+    assert pool.num_pages_held("a") == 3
+    pool.free("a")
+    assert pool.table("a") == () and pool.num_pages_held("a") == 0
+    pool.check_invariants()
+
+
 def test_out_of_pages_changes_nothing():
     pool = PagePool(4, 2)
     pool.ensure_capacity("a", 4)

@@ -8,7 +8,7 @@ by one or more holders: sequence page tables and the prefix cache, each holding 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 # Same value as jaxserve.attention.NULL_PAGE; not imported from there so this module stays jax-free.
 NULL_PAGE = 0
@@ -88,6 +88,15 @@ class PagePool:
     def pages_of(self, seq_id: str) -> list[int]:
         """A copy of the sequence's page table ([] if it has none)."""
         return list(self._tables.get(seq_id, ()))
+
+    def table(self, seq_id: str) -> Sequence[int]:
+        """The sequence's page table itself, not a copy (the scheduler reads it for every sequence
+        every step): read it, never change it. Growing the table replaces the list, so a table
+        read before keeps its old length."""
+        return self._tables.get(seq_id, ())
+
+    def num_pages_held(self, seq_id: str) -> int:
+        return len(self._tables.get(seq_id, ()))
 
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> list[int]:
         """Grow seq_id's table to hold num_tokens tokens; returns the new pages.

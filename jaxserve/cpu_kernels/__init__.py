@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
@@ -47,8 +49,6 @@ def _library_path() -> Path:
 
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
                                      platform.machine().encode(), _cpu_fingerprint().encode()])).hexdigest()[:16]
-    from jaxserve.loading import cache_root
-
     return cache_root() / "kernels" / f"ragged_paged_attention-{key}.so"
 
 

@@ -53,6 +53,13 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     queue_seconds: float | None = None  # arrival to first scheduling
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, vLLM's shape (the first is
+    # None; each dict holds the prompt token's own logprob, first, and the top-n). Set on the
+    # first output only (the one with the first sampled token), None on later ones.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Set when this request alone failed inside the engine (its inputs could not be prepared):
+    # the request is finished with finish_reason "abort" and the front ends report the error.
+    error: str | None = None
 
 
 @dataclass
@@ -66,6 +73,8 @@ class _Tracked:
     emitted_chars: int = 0
     emitted_tokens: int = 0
     text: str = ""
+    sent_prompt_logprobs: bool = False
+    logprob_dicts: list[dict[int, float]] = field(default_factory=list)  # built once per token
 
 
 def _encode_prompt(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> tuple[str | None, list[int]]:
@@ -189,11 +198,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     priority: int = 0, seed_offset: int = 0, group_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue one sequence. (n > 1 is expanded by the callers into n requests.)"""
+                    arrival_time: float | None = None, prompt_text: str | None = None) -> Request:
+        """Validate and queue one sequence. (n > 1 is expanded by the callers into n requests.)
+        `prompt_text`: the text a token-id `prompt` was tokenized from by the caller (front ends
+        tokenize outside the engine lock), reported back as RequestOutput.prompt."""
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = _encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+        text = text if prompt_text is None else prompt_text
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, the context length is {self.max_model_len}")
         room = self.max_model_len - len(ids)
@@ -247,9 +259,10 @@ class LLMEngine:
             # Followers released (or this is one): a step now would wait for them forever.
             raise RuntimeError("multi-host: this process does not drive the followers (stopped, or not process 0)")
         plans = [replica.scheduler.schedule() for replica in self.replicas]
+        failed = [self._failed_output(req) for replica in self.replicas for req in replica.scheduler.take_failed()]
         if all(plan is None for plan in plans):
             self.keep_followers_alive()
-            return []
+            return failed
         if self.broadcaster is not None:  # multi-host: the followers launch the same steps
             self.broadcaster.send([r.runner for r in self.replicas], plans)
         launched = [(replica, plan, replica.runner.launch(plan))
@@ -267,22 +280,44 @@ class LLMEngine:
         self.step_timings.append((sum(len(p.seqs) for _, p, _ in results), sum(p.num_tokens for _, p, _ in results),
                                   t1 - t0, t2 - t0))
         now = time.monotonic()
-        outputs = []
+        outputs = failed
         for replica, plan, (token_ids, logprobs) in results:
-            outputs += self._collect(replica, plan, token_ids, logprobs, now)
+            prompt_lps = self._fetch_prompt_logprobs(replica) if plan.wants_prompt_logprobs else None
+            outputs += self._collect(replica, plan, token_ids, logprobs, prompt_lps, now)
         return outputs
 
-    def _collect(self, replica: Replica, plan: Any, token_ids: np.ndarray, logprobs: Any,
+    @staticmethod
+    def _fetch_prompt_logprobs(replica: Replica) -> Any:
+        mesh = replica.runner.mesh
+        if mesh is not None and not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+            return None  # multi-host: a replica with no device here (prompt logprobs not gathered)
+        return replica.runner.fetch_prompt_logprobs()
+
+    def _collect(self, replica: Replica, plan: Any, token_ids: np.ndarray, logprobs: Any, prompt_lps: Any,
                  now: float) -> list[RequestOutput]:
         outputs = []
-        for req, _ in replica.scheduler.update(plan, token_ids, logprobs):
+        for req, _ in replica.scheduler.update(plan, token_ids, logprobs, prompt_lps):
             if req.first_token_time is None:
                 req.first_token_time = now
             tracked = self._tracked.get(req.request_id)
             if tracked is None:
                 continue
-            outputs.append(self._advance(tracked))
+            try:
+                outputs.append(self._advance(tracked))
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failing on this request's text
+                log.exception("request %s failed after a step", req.request_id)
+                req.error = f"the request failed after a step: {type(exc).__name__}: {exc}"
+                replica.scheduler.finish(req, "abort")
+                outputs.append(self._failed_output(req))
         return outputs
+
+    def _failed_output(self, req: Request) -> RequestOutput:
+        """The final output of a request the engine failed alone (already finished, pages freed)."""
+        t = self._tracked.pop(req.request_id, None)
+        completion = CompletionOutput(0, t.text if t else "", list(req.output_token_ids), "abort")
+        queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
+        return RequestOutput(req.request_id, t.prompt if t else None, req.prompt_token_ids, [completion], True,
+                             req.num_cached_tokens, queue_seconds=queued, error=req.error)
 
     def _advance(self, t: _Tracked) -> RequestOutput:
         req = t.request
@@ -316,13 +351,19 @@ class LLMEngine:
             self._tracked.pop(req.request_id, None)
         logprobs = None
         if p.logprobs is not None:
-            logprobs = [{tok: lp, **dict(zip(ids, lps))} for tok, (lp, ids, lps)
-                        in zip(req.output_token_ids, req.output_logprobs)]
+            # Only the new tokens' dicts are built; the list handed out is a shallow copy.
+            done = len(t.logprob_dicts)
+            t.logprob_dicts += [{tok: lp, **dict(zip(ids, lps))} for tok, (lp, ids, lps)
+                                in zip(req.output_token_ids[done:], req.output_logprobs[done:])]
+            logprobs = list(t.logprob_dicts)
         completion = CompletionOutput(0, t.text, list(req.output_token_ids),
                                       req.finish_reason if finished else None, req.stop_reason, logprobs)
         queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not t.sent_prompt_logprobs:
+            prompt_lps, t.sent_prompt_logprobs = list(req.prompt_logprobs), True
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, delta_text, delta_ids, queued)
+                             req.num_cached_tokens, delta_text, delta_ids, queued, prompt_logprobs=prompt_lps)
 
     def keep_followers_alive(self) -> None:
         """Multi-host, while idle: let the followers' pending collective complete before it times out."""

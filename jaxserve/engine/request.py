@@ -16,7 +16,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: a request is itself, compared by identity. Field-wise equality made every
+# `req in self.running` compare whole token lists (O(batch^2 x length) host work per step).
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -31,7 +33,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV sits in the page pool
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at (last) admission
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at the first admission
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
@@ -39,6 +41,23 @@ class Request:
     first_scheduled_time: float | None = None  # leaving the waiting queue the first time
     # Set by the scheduler while the request holds a locked radix-cache node.
     cache_node: object | None = None
+    # Why the engine failed this request alone (its step inputs could not be prepared); it is
+    # then finished with finish_reason "abort".
+    error: str | None = None
+    # With params.prompt_logprobs: entry j (j >= 1) is {prompt[j]: logprob, top-n...} given
+    # prompt[:j], entry 0 is None. Filled by position, so a recompute after preemption rewrites
+    # the same values; `prompt_logprob_rows` counts the prompt rows (positions 0..) done so far.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprob_rows_needed(self) -> int:
+        """Rows whose logits score a later prompt token (every position but the last), or 0."""
+        return 0 if self.prompt_logprobs is None else len(self.prompt_token_ids) - 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -50,7 +69,17 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """A new list of prompt and output (O(length): per-step code uses token_slice)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building all of it (a decode reads one token)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p: end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def is_finished(self) -> bool:

@@ -3,6 +3,11 @@
 A step runs the model over the flat token batch, writes new K/V into the (donated) pool, computes
 logits for each sequence's last token only, and samples on device: only sampled ids and top-n
 logprobs come back. Every bucket is compiled at start-up; a guard counts compilations after that.
+
+Prompt logprobs ride in the same step: when some flat row has a target (the next prompt token), a
+lax.cond branch computes logits for every row, in blocks of 64 rows to bound the [rows, vocab]
+temporary, and returns each row's target logprob and top-n. Ordinary steps take the other branch
+(zeros) and never copy those arrays to the host.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from jaxserve.attention import AttentionMetadata, get_attention_fn, write_kv
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import SampleOutput, SamplingArrays, empty_sampling_arrays, sample
 from jaxserve.engine.scheduler import StepPlan
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,37 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+_PROMPT_LP_BLOCK = 64  # rows of logits per block: bounds the [rows, vocab] temporary
+
+
+def prompt_logprobs(model: LlamaForCausalLM, hidden: jax.Array, targets: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per flat row with targets[r] >= 0: log_softmax(logits[r])[targets[r]] and the top
+    MAX_LOGPROBS (ids, logprobs) of the raw model distribution. Zeros when no row asks."""
+    rows = hidden.shape[0]
+    block = min(rows, _PROMPT_LP_BLOCK)
+
+    def compute(hidden, targets):
+        def one(args):
+            h, t = args
+            lp = jax.nn.log_softmax(model.compute_logits(h), axis=-1)
+            top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+            return jnp.take_along_axis(lp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+        pad = -rows % block  # a token bucket need not be a multiple of the block
+        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, block, hidden.shape[1])
+        t = jnp.pad(targets, (0, pad)).reshape(-1, block)
+        tok, ids, lps = jax.lax.map(one, (h, t))
+        return (tok.reshape(-1)[:rows], ids.reshape(-1, MAX_LOGPROBS)[:rows],
+                lps.reshape(-1, MAX_LOGPROBS)[:rows])
+
+    def skip(hidden, targets):
+        return (jnp.zeros(rows, jnp.float32), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(jnp.any(targets >= 0), compute, skip, hidden, targets)
+
+
 class ModelRunner:
     """Runs steps of one model replica. With a mesh, the parameters are expected sharded on it
     already; the pool is split over KV heads and attention and the KV write run per shard."""
@@ -84,20 +121,28 @@ class ModelRunner:
         self.kv_cache = jax.jit(lambda: jnp.zeros(self.kv_shape, model.dtype), out_shardings=self._kv_sharding)()
         self.graphdef, self.state = nnx.split(model)
 
-        def step(state, kv_cache, tokens, md: AttentionMetadata, logits_indices, samp: SamplingArrays):
+        def step(state, kv_cache, tokens, md: AttentionMetadata, logits_indices, prompt_targets):
             m = nnx.merge(self.graphdef, state)
             hidden, kv_cache = m(tokens, md, kv_cache, attention_fn, kv_write_fn)
-            logits = m.compute_logits(hidden[logits_indices])
-            return kv_cache, sample(logits, samp)
+            logits = m.compute_logits(hidden[logits_indices]).astype(jnp.float32)
+            return kv_cache, logits, prompt_logprobs(m, hidden, prompt_targets)
 
-        # The pool keeps its sharding; sampled ids come back replicated, so every process of a
-        # multi-host mesh can read them from its own devices.
-        out_shardings = None if mesh is None else (self._kv_sharding, self._input_sharding)
+        # The pool keeps its sharding; logits and sampled ids come back replicated, so every
+        # process of a multi-host mesh can read them from its own devices.
+        rep = self._input_sharding
+        out_shardings = None if mesh is None else (self._kv_sharding, rep, rep)
         self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
+        # The sampler is a jit of its own, per sequence bucket S: it takes seconds to compile
+        # (several sampling paths), and inside the step every (T, S, P) bucket would pay that.
+        self._sample = jax.jit(sample, out_shardings=rep)
+        self._compiled_samplers: dict[int, Any] = {}
         self._compiled: dict[tuple[int, int, int], Any] = {}
         self.compile_seconds = 0.0
         CompileCounter.install()
         self.compiles_after_warmup_base: int | None = None
+        # The last launched step's prompt-logprob arrays (device futures). Kept here rather than
+        # returned, so that launch's result (what multi-host gathers) stays the sampled outputs.
+        self._last_prompt_logprobs: Any = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -111,14 +156,21 @@ class ModelRunner:
         samp = SamplingArrays(**{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                                  for k, v in empty_sampling_arrays(S, self.history_len).items()})
         kv = jax.ShapeDtypeStruct(self.kv_shape, self.model.dtype, sharding=self._kv_sharding)
-        return self.state, kv, i32(T), md, i32(S), samp
+        return self.state, kv, i32(T), md, i32(S), samp, i32(T)
 
-    def compile_bucket(self, bucket: tuple[int, int, int]) -> Any:
+    def compile_bucket(self, bucket: tuple[int, int, int]) -> tuple[Any, Any]:
+        """The compiled model step of this bucket and the compiled sampler of its S."""
         if bucket not in self._compiled:
             t0 = time.perf_counter()
-            self._compiled[bucket] = self._step.lower(*self._abstract_args(*bucket)).compile()
+            state, kv, tokens, md, logits_indices, samp, targets = self._abstract_args(*bucket)
+            self._compiled[bucket] = self._step.lower(state, kv, tokens, md, logits_indices, targets).compile()
+            S = bucket[1]
+            if S not in self._compiled_samplers:
+                logits = jax.ShapeDtypeStruct((S, self.model.cfg.vocab_size), jnp.float32,
+                                              sharding=self._input_sharding)
+                self._compiled_samplers[S] = self._sample.lower(logits, samp).compile()
             self.compile_seconds += time.perf_counter() - t0
-        return self._compiled[bucket]
+        return self._compiled[bucket], self._compiled_samplers[bucket[1]]
 
     def warmup(self, show_progress: bool = True) -> None:
         """Compile every bucket ahead (the persistent compilation cache makes a second start fast)."""
@@ -135,25 +187,34 @@ class ModelRunner:
 
     @staticmethod
     def step_inputs(plan: StepPlan) -> tuple:
-        """The plan's device inputs: (tokens, attention metadata, logits indices, sampling arrays)."""
+        """The plan's device inputs: (tokens, attention metadata, logits indices, sampling arrays,
+        prompt-logprob targets)."""
         md = AttentionMetadata(plan.positions, plan.slot_mapping, plan.kv_lens, plan.page_tables,
                                plan.cu_q_lens, plan.num_seqs)
-        return plan.tokens, md, plan.logits_indices, SamplingArrays(**plan.sampling)
+        targets = plan.prompt_targets if plan.prompt_targets is not None else np.full(plan.tokens.shape, -1, np.int32)
+        return plan.tokens, md, plan.logits_indices, SamplingArrays(**plan.sampling), targets
 
     def input_template(self, bucket: tuple[int, int, int]) -> tuple:
         """Zero host arrays shaped like step_inputs of a plan in this bucket (what a multi-host
         follower receives the leader's plan into)."""
-        _, _, tokens, md, logits_indices, samp = self._abstract_args(*bucket)
-        return host_zeros((tokens, md, logits_indices, samp))
+        _, _, tokens, md, logits_indices, samp, targets = self._abstract_args(*bucket)
+        return host_zeros((tokens, md, logits_indices, samp, targets))
 
     def launch(self, plan: StepPlan) -> SampleOutput:
         """Dispatch one step and return without waiting for the device (its outputs are futures)."""
         return self.launch_inputs(plan.bucket, self.step_inputs(plan))
 
     def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple) -> SampleOutput:
-        fn = self.compile_bucket(bucket)
-        self.kv_cache, out = fn(self.state, self.kv_cache, *inputs)
-        return out
+        step_fn, sample_fn = self.compile_bucket(bucket)
+        tokens, md, logits_indices, samp, targets = inputs
+        self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, tokens, md,
+                                                                    logits_indices, targets)
+        return sample_fn(logits, samp)
+
+    def fetch_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The last step's (target logprob [T], top ids [T, K], top logprobs [T, K]) on the host:
+        only called for a plan that asked for them."""
+        return self.to_host(self._last_prompt_logprobs)
 
     def output_template(self, num_seqs: int) -> SampleOutput:
         """Zero host arrays shaped like the outputs of a step of num_seqs rows."""

@@ -5,6 +5,16 @@ prefill continues by a chunk), then waiting requests are admitted while the sequ
 budget and the page pool allow (chunked prefill: a long prompt takes what budget is left and goes
 on next step, so it never stalls the decodes). When pages run short, unreferenced prefix-cache
 leaves are evicted first; then the newest running request is preempted by recompute.
+
+The n completions of one prompt (a group) prefill it once: while one sibling computes the prompt
+the others wait without holding anyone else up, then each forks from it, sharing its full prompt
+pages (refcounted in the pool, with or without the prefix cache) and recomputing only the partial
+last page. Recomputing that tail (at most page_size - 1 tokens, plus the last prompt token whose
+logits each sibling needs to sample its first token anyway) rides in the ordinary step; a device
+page copy would need a second compiled function and a dispatch of its own for a few tokens' work.
+
+A request whose inputs cannot be prepared (a value the device arrays cannot hold) is failed alone:
+finished as "abort" with `Request.error` set and handed to the engine through `take_failed()`.
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampler import MAX_BANNED, empty_sampling_arrays
 
+_INT32_MAX = 2**31 - 1
+_WAIT = object()  # _group_source: a sibling is computing the prompt; wait for it
+
 
 @dataclass
 class ScheduledSeq:
@@ -29,6 +42,7 @@ class ScheduledSeq:
     start: int  # first token position computed this step
     num_tokens: int  # tokens computed this step
     sample: bool  # this chunk reaches the end of the known tokens: a new token comes out
+    offset: int = 0  # flat row of the chunk's first token in the step (set when the plan is built)
 
 
 @dataclass
@@ -46,6 +60,10 @@ class StepPlan:
     num_seqs: np.ndarray  # [1]
     logits_indices: np.ndarray  # [S] flat row of each sequence's last token
     sampling: dict[str, np.ndarray]
+    # [T] per flat row: the next prompt token, whose logprob the row's logits give (prompt
+    # logprobs), or -1. All -1 in an ordinary step, and the device then skips that work.
+    prompt_targets: np.ndarray | None = None
+    wants_prompt_logprobs: bool = False  # some row of prompt_targets is set
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -78,6 +96,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._running_groups: dict[str, list[Request]] = {}  # group_id -> its running siblings
+        self._failed: list[Request] = []  # failed alone while preparing a step, not yet reported
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -93,6 +113,7 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._leave_group(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         if reason != "abort":
@@ -121,8 +142,30 @@ class Scheduler:
             req.cache_node = None
         self.pool.free(req.request_id)
 
+    def take_failed(self) -> list[Request]:
+        """Requests failed alone since the last call (finished, pages freed, `error` set)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        req.error = f"the request could not be prepared for the device: {type(exc).__name__}: {exc}"
+        self.finish(req, "abort")
+        self._failed.append(req)
+
+    def _join_group(self, req: Request) -> None:
+        if req.group_id is not None:
+            self._running_groups.setdefault(req.group_id, []).append(req)
+
+    def _leave_group(self, req: Request) -> None:
+        members = self._running_groups.get(req.group_id) if req.group_id is not None else None
+        if members is not None:
+            members.remove(req)
+            if not members:
+                del self._running_groups[req.group_id]
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._leave_group(req)
         self._cache_computed(req)  # its recompute will mostly hit the cache
         self._release(req)
         req.status = RequestStatus.PREEMPTED
@@ -133,7 +176,7 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make room for num_tokens tokens of req, evicting cache leaves if needed."""
-        have = len(self.pool.pages_of(req.request_id)) * self.pool.page_size
+        have = self.pool.num_pages_held(req.request_id) * self.pool.page_size
         need = -(-(num_tokens - have) // self.pool.page_size) if num_tokens > have else 0
         if need > self.pool.num_free and self.prefix_cache is not None:
             self.prefix_cache.evict(need - self.pool.num_free)
@@ -150,7 +193,7 @@ class Scheduler:
         preempted: list[Request] = []
 
         for req in list(self.running):
-            if req not in self.running:  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
@@ -169,27 +212,38 @@ class Scheduler:
         can_admit = not preempted and (not self.static or not self.running)
         if can_admit:
             self._order_waiting()
+        # Siblings waiting for a group member's prompt step aside for this step, keeping their
+        # place in the queue: they hold up nobody behind them.
+        deferred: list[Request] = []
         # Static batching admits a whole batch at once; its prefills then proceed chunk by chunk.
         while can_admit and self.waiting and len(self.running) < self.max_num_seqs:
             if budget <= 0 and not self.static:
                 break
             req = self.waiting[0]
-            if self._sibling_prefilling(req):
-                break  # wait one step and take the sibling's prompt pages from the cache
-            self._match_prefix(req)
+            source = self._group_source(req)
+            if source is _WAIT:
+                deferred.append(self.waiting.popleft())
+                continue
+            cached = self._share_prompt(req, source) if source is not None else self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)
-                req.num_computed_tokens = req.num_cached_tokens = 0
+                req.num_computed_tokens = 0  # prompt-logprob entries copied from a sibling stay valid
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
+                # What the client's prompt got from the prefix cache is decided once, at the first
+                # admission: a recompute after preemption reuses the request's own pages, which
+                # the client did not send twice.
                 req.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = min(cached, req.num_prompt_tokens)
             self.running.append(req)
+            self._join_group(req)
             if n > 0:
                 scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
                 budget -= n
+        self.waiting.extendleft(reversed(deferred))
 
         if not scheduled:
             if self.running or self.waiting:
@@ -203,10 +257,38 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return self._build_plan(scheduled, preempted)
 
-    def _sibling_prefilling(self, req: Request) -> bool:
-        if self.prefix_cache is None or req.group_id is None:
-            return False
-        return any(r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
+    def _shareable_tokens(self, req: Request) -> int:
+        """Prompt tokens a sibling can take over: whole pages, short of the last prompt token
+        (each sibling computes that one itself, for the logits of its own first token)."""
+        return (req.num_prompt_tokens - 1) // self.pool.page_size * self.pool.page_size
+
+    def _group_source(self, req: Request) -> Request | object | None:
+        """For a waiting sibling: a running one whose prompt pages it can share, _WAIT while one
+        is still computing them, or None (compute alone: no group, nothing worth sharing, or no
+        sibling running, in which case this one computes the prompt for the others)."""
+        if req.group_id is None or self.static or req.num_computed_tokens > 0:
+            return None
+        members = self._running_groups.get(req.group_id)
+        share = self._shareable_tokens(req)
+        if not members or share == 0:
+            return None
+        for m in members:
+            # A sibling's first `share` positions are prompt tokens whatever it has generated since.
+            if m.num_computed_tokens >= share and (req.prompt_logprobs is None or m.prompt_logprob_rows >= share):
+                return m
+        return _WAIT
+
+    def _share_prompt(self, req: Request, source: Request) -> int:
+        """Fork req from a running sibling: take its full prompt pages (one more reference each)
+        and, with prompt logprobs, the entries those pages' rows gave. Returns 0: nothing came
+        from the prefix cache."""
+        share = self._shareable_tokens(req)
+        self.pool.append_shared(req.request_id, self.pool.pages_of(source.request_id)[: share // self.pool.page_size])
+        req.num_computed_tokens = share
+        if req.prompt_logprobs is not None:
+            req.prompt_logprobs[: share + 1] = source.prompt_logprobs[: share + 1]
+            req.prompt_logprob_rows = max(req.prompt_logprob_rows, share)
+        return 0
 
     def _order_waiting(self) -> None:
         if self.policy == "priority":
@@ -216,23 +298,30 @@ class Scheduler:
                     for r in self.waiting}
             self.waiting = deque(sorted(self.waiting, key=lambda r: -hits[id(r)]))
 
-    def _match_prefix(self, req: Request) -> None:
-        if self.prefix_cache is None or req.num_computed_tokens > 0 or self.pool.pages_of(req.request_id):
-            return
-        pages, n, node = self.prefix_cache.match_prefix(req.all_token_ids, max_tokens=req.num_tokens - 1)
+    def _match_prefix(self, req: Request) -> int:
+        """Start req from the longest cached prefix; returns the tokens it got from the cache."""
+        if self.prefix_cache is None or req.num_computed_tokens > 0 or self.pool.num_pages_held(req.request_id):
+            return 0
+        limit = req.num_tokens - 1
+        if req.prompt_logprobs is not None:
+            # The cache holds KV, not logprobs: only rows already scored may be skipped (vLLM
+            # likewise bypasses the cache for prompt logprobs).
+            limit = min(limit, req.prompt_logprob_rows)
+        pages, n, node = self.prefix_cache.match_prefix(req.all_token_ids, max_tokens=limit)
         if n == 0:
-            return
+            return 0
         self.prefix_cache.lock(node)
         req.cache_node = node
         self.pool.append_shared(req.request_id, pages)
         req.num_computed_tokens = n
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = n
+        return n
 
-    def _build_plan(self, scheduled: list[ScheduledSeq], preempted: list[Request]) -> StepPlan:
+    def _build_plan(self, scheduled: list[ScheduledSeq], preempted: list[Request]) -> StepPlan | None:
         page_size = self.pool.page_size
+        if not scheduled:
+            return None
         num_tokens = sum(s.num_tokens for s in scheduled)
-        max_pages = max(len(self.pool.pages_of(s.request.request_id)) for s in scheduled)
+        max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
         T, S, P = self.buckets.pick(num_tokens, max_pages)
         tokens = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
@@ -242,32 +331,53 @@ class Scheduler:
         cu = np.zeros(S + 1, np.int32)
         logits_idx = np.zeros(S, np.int32)
         samp = empty_sampling_arrays(S, self.history_len)
+        targets = np.full(T, -1, np.int32)
         off = 0
+        failed: list[ScheduledSeq] = []
+        wants_prompt_logprobs = False
         for i, s in enumerate(scheduled):
             req, rid = s.request, s.request.request_id
-            pages = np.asarray(self.pool.pages_of(rid), np.int32)
-            ids = req.all_token_ids
-            pos = np.arange(s.start, s.start + s.num_tokens, dtype=np.int32)
-            tokens[off: off + s.num_tokens] = ids[s.start: s.start + s.num_tokens]
+            try:
+                # Sampling first: it is what can fail on a user's value, before any row is written.
+                self._fill_sampling(samp, i, req)
+            except Exception as exc:  # noqa: BLE001 - any failure here is this request's alone
+                self._fail(req, exc)
+                failed.append(s)
+                continue
+            pages = self.pool.table(rid)
+            end = s.start + s.num_tokens
+            tokens[off: off + s.num_tokens] = req.token_slice(s.start, end)
+            pos = np.arange(s.start, end, dtype=np.int32)
             positions[off: off + s.num_tokens] = pos
-            slots[off: off + s.num_tokens] = pages[pos // page_size] * page_size + pos % page_size
-            kv_lens[i] = s.start + s.num_tokens
+            # Only the pages this chunk writes: per-step work stays independent of the context.
+            first = s.start // page_size
+            chunk_pages = np.asarray(pages[first: (end - 1) // page_size + 1], np.int32)
+            slots[off: off + s.num_tokens] = chunk_pages[pos // page_size - first] * page_size + pos % page_size
+            kv_lens[i] = end
             tables[i, : len(pages)] = pages
+            s.offset = off
+            if req.prompt_logprobs is not None and s.start < req.prompt_logprob_rows_needed:
+                end = min(s.start + s.num_tokens, req.prompt_logprob_rows_needed)
+                targets[off: off + end - s.start] = req.prompt_token_ids[s.start + 1: end + 1]
+                wants_prompt_logprobs = True
             off += s.num_tokens
             cu[i + 1] = off
             logits_idx[i] = off - 1
-            self._fill_sampling(samp, i, req)
+        if failed:  # rare: rebuild without them, so that rows stay dense and in order
+            return self._build_plan([s for s in scheduled if all(s is not f for f in failed)], preempted)
         cu[len(scheduled) + 1:] = off
         return StepPlan(
             seqs=scheduled, num_tokens=num_tokens, tokens=tokens, positions=positions, slot_mapping=slots,
             kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([len(scheduled)], np.int32),
-            logits_indices=logits_idx, sampling=samp, preempted=preempted,
+            logits_indices=logits_idx, sampling=samp, prompt_targets=targets,
+            wants_prompt_logprobs=wants_prompt_logprobs, preempted=preempted,
         )
 
     def _fill_sampling(self, samp: dict[str, np.ndarray], i: int, req: Request) -> None:
         p = req.params
         samp["temperature"][i] = p.temperature
-        samp["top_k"][i] = p.top_k if p.top_k > 0 else 0
+        # A top_k past the vocabulary keeps every token: the same as no top-k.
+        samp["top_k"][i] = min(p.top_k, _INT32_MAX) if p.top_k > 0 else 0
         samp["top_p"][i] = p.top_p
         samp["min_p"][i] = p.min_p
         samp["seeds"][i] = req.seed & 0xFFFFFFFF
@@ -281,20 +391,27 @@ class Scheduler:
             samp["history"][i, : len(hist)] = hist
             samp["prompt_lens"][i] = max(0, req.num_prompt_tokens - (req.num_tokens - len(hist)))
         if len(req.output_token_ids) < p.min_tokens:
-            banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + list(p.stop_token_ids)
+            # A stop id past int32 is past any vocabulary: never sampled, nothing to ban.
+            banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + [t for t in p.stop_token_ids
+                                                                          if t <= _INT32_MAX]
             banned = banned[:MAX_BANNED]
             samp["banned"][i, : len(banned)] = banned
 
     # ---- after the device step --------------------------------------------------------------
-    def update(self, plan: StepPlan, token_ids: np.ndarray, logprobs: tuple | None = None) -> list[tuple[Request, int]]:
+    def update(self, plan: StepPlan, token_ids: np.ndarray, logprobs: tuple | None = None,
+               prompt_logprobs: tuple | None = None) -> list[tuple[Request, int]]:
         """Advance the scheduled sequences by the step's result; return (request, new token) pairs.
-        Requests that hit a token-level stop are finished here and their pages freed."""
+        Requests that hit a token-level stop are finished here and their pages freed.
+        `prompt_logprobs`: (target logprob [T], top ids [T, K], top logprobs [T, K]) of the flat
+        rows, when the plan asked for them."""
         new_tokens = []
         for i, s in enumerate(plan.seqs):
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = s.start + s.num_tokens
+            if prompt_logprobs is not None and req.prompt_logprobs is not None:
+                self._store_prompt_logprobs(req, s, prompt_logprobs)
             if s.num_tokens > 1:
                 # Share each prefill chunk's full pages at once: requests with the same beginning
                 # (n > 1 siblings, a common system prompt) admitted next step reuse them.
@@ -311,3 +428,17 @@ class Scheduler:
             if req.check_stop_token():
                 self.finish(req, req.finish_reason)
         return new_tokens
+
+    @staticmethod
+    def _store_prompt_logprobs(req: Request, s: ScheduledSeq, result: tuple) -> None:
+        end = min(s.start + s.num_tokens, req.prompt_logprob_rows_needed)
+        if end <= s.start:
+            return
+        token_lp, top_ids, top_lp = result
+        k = req.params.prompt_logprobs
+        rows = slice(s.offset, s.offset + end - s.start)
+        lps, ids, tops = token_lp[rows].tolist(), top_ids[rows, :k].tolist(), top_lp[rows, :k].tolist()
+        for j, pos in enumerate(range(s.start, end)):
+            # Row `pos` scores prompt token pos + 1 (first in the dict, as for sampled tokens).
+            req.prompt_logprobs[pos + 1] = {req.prompt_token_ids[pos + 1]: lps[j], **dict(zip(ids[j], tops[j]))}
+        req.prompt_logprob_rows = max(req.prompt_logprob_rows, end)

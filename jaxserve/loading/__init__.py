@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.cache_dir import cache_root
 from jaxserve.models.llama import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,6 @@ def resolve_dtype(dtype: str | Any) -> Any:
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     return dtype
-
-
-def cache_root() -> Path:
-    """Where converted weights, tokenizers and built kernels are cached ($JAXSERVE_CACHE_DIR)."""
-    return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
 
 
 def _cache_key(path: Path, dtype_name: str) -> str:
@@ -110,15 +106,26 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
 
 
 def load_tokenizer(model: str | os.PathLike | None) -> Any:
-    """The checkpoint's transformers tokenizer (for GGUF, rebuilt from its metadata, then cached)."""
+    """The checkpoint's transformers tokenizer. For GGUF it is rebuilt from the file's metadata
+    (byte-level BPE without torch: gguf_tokenizer.py), then cached as a tokenizer directory."""
     from transformers import AutoTokenizer
 
     path = Path(model) if model is not None else default_model_path()
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path))
-    cache_dir = cache_root() / "tokenizers" / _cache_key(path, "tok")
+    cache_dir = cache_root() / "tokenizers" / _cache_key(path, "tok-v2")
     if (cache_dir / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache_dir))
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    from jaxserve.loading.gguf_tokenizer import build_bpe_tokenizer, gguf_tokenizer_model
+
+    kind = gguf_tokenizer_model(path)
+    if kind == "gpt2":
+        tok = build_bpe_tokenizer(path)
+    else:
+        if importlib.util.find_spec("torch") is None:  # transformers' GGUF reader imports torch
+            raise ValueError(f"{path.name}: its {kind!r} tokenizer loads through transformers, which needs torch "
+                             "for GGUF files; install torch, or serve the model's HF directory instead")
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(str(cache_dir))
+    log.info("tokenizer cached in %s", cache_dir)
     return tok

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
-from tqdm.auto import tqdm
 
+from jaxserve.logs import progress
 from jaxserve.loading.hf_names import StackedParams
 from jaxserve.models.llama import ModelConfig
 from jaxserve.models.registry import config_from_hf
@@ -80,7 +80,7 @@ def load_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, dict[str, np.nd
     cfg = config_from_hf(hf)
     permute_qk = hf["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM")
     stacked = StackedParams(cfg, dtype)
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", leave=False):
+    for t in progress(reader.tensors, "dequantizing GGUF", unit="tensor"):  # a bar only on a terminal
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
             base, _, kind = rest.rpartition(".")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
+from jaxserve.logs import progress
 from jaxserve.loading.hf_names import StackedParams
 from jaxserve.models.llama import ModelConfig
 from jaxserve.models.registry import config_from_hf
@@ -43,10 +45,10 @@ def load_safetensors_params(model_dir: Path, cfg: ModelConfig, dtype: np.dtype) 
     for f in files:
         with safe_open(f, framework="flax") as st:  # "flax" reads bf16 too, unlike "numpy"
             names += [(f, k) for k in st.keys()]
-    with tqdm(total=len(names), desc="loading weights", unit="tensor", leave=False) as bar:
-        for f in files:
-            with safe_open(f, framework="flax") as st:
-                for key in st.keys():
-                    stacked.add(key, np.asarray(st.get_tensor(key)))
-                    bar.update()
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}  # each file opened once
+        for f, key in progress(names, "loading weights", unit="tensor"):  # a bar only on a terminal
+            if f not in opened:
+                opened[f] = stack.enter_context(safe_open(f, framework="flax"))
+            stacked.add(key, np.asarray(opened[f].get_tensor(key)))
     return stacked.finish()

@@ -6,7 +6,9 @@ The method is registered with a raw-bytes deserializer so that a request protobu
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 import grpc
@@ -15,10 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.server.common import InvalidRequest, NotReady, Overloaded, make_sampling_params, stream_outputs
+from jaxserve.server.common import (EngineFailure, InvalidRequest, NotReady, Overloaded, check_for_model,
+                                    make_sampling_params, stream_outputs, tokenize)
 from jaxserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("jaxserve.access")
 SERVICE = "jaxserve.v1.Generation"
 
 
@@ -45,6 +49,26 @@ class GenerationService:
         self.max_request_bytes = max_request_bytes
 
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext):
+        """One access-log line per call: peer, status, messages sent, time."""
+        # The peer is read now: grpc.aio's context.peer() crashes the process (SIGSEGV, seen with
+        # grpcio 1.85) once a cancelled call is torn down.
+        start, sent, peer = time.monotonic(), 0, context.peer()
+        ctx = _RecordingContext(context)
+        try:
+            async for msg in self._generate(raw, ctx):
+                sent += 1
+                yield msg
+        except asyncio.CancelledError:
+            ctx.status = "CANCELLED"
+            raise
+        except BaseException:
+            ctx.status = ctx.status if ctx.status != "OK" else "ERROR"
+            raise
+        finally:
+            access_log.info('%s "gRPC Generate" %s %d messages %.1f ms', peer, ctx.status, sent,
+                            (time.monotonic() - start) * 1000)
+
+    async def _generate(self, raw: bytes, context: grpc.aio.ServicerContext):
         if self.api_key is not None:
             md = dict(context.invocation_metadata() or ())
             given = md.get("authorization", "").removeprefix("Bearer ").strip() or md.get("x-api-key")
@@ -67,13 +91,20 @@ class GenerationService:
                 raise InvalidRequest(f"prompt ({kind}) must not be empty", "prompt")
             params = make_sampling_params(sampling_from_proto(req))
             engine = self.get_engine()
-            async for out in stream_outputs(engine, self.metrics, prompt, params,
-                                            request_id=req.request_id or None, priority=req.priority):
+            if engine is None or not engine.accepting:
+                raise NotReady("the server is not ready (loading, compiling or shutting down)")
+            check_for_model(params, engine)
+            text = None
+            if kind == "text":  # tokenized in a worker thread: neither the loop nor the engine lock waits
+                text, prompt = prompt, await tokenize(engine, prompt, self.max_request_bytes)
+            async for out in stream_outputs(engine, self.metrics, prompt, params, request_id=req.request_id or None,
+                                            priority=req.priority, prompt_text=text):
                 comp = out.outputs[0]
                 msg = pb.GenerateResponse(request_id=out.request_id, index=comp.index, text=out.delta_text,
                                           token_ids=out.delta_token_ids)
                 if comp.logprobs:
-                    for tok, entry in zip(out.delta_token_ids, comp.logprobs[len(comp.token_ids) - len(out.delta_token_ids):]):
+                    new = comp.logprobs[len(comp.token_ids) - len(out.delta_token_ids):]
+                    for tok, entry in zip(out.delta_token_ids, new):
                         msg.logprobs.append(pb.TokenLogprob(
                             token_id=tok, logprob=entry[tok],
                             top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.items()]))
@@ -89,6 +120,28 @@ class GenerationService:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NotReady as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except EngineFailure as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a status, never UNKNOWN
+            log.exception("request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class _RecordingContext:
+    """The servicer context, remembering the status we abort with (for the access log)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self._context = context
+        self.status = "OK"
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = code.name
+        await self._context.abort(code, details)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 def build_grpc_server(service: GenerationService, address: str, tls: tuple[bytes, bytes] | None = None,

@@ -1,73 +1,236 @@
-"""OpenAI-compatible HTTP front end (FastAPI): completions, chat completions, models, health, metrics."""
+"""OpenAI-compatible HTTP front end (FastAPI): completions, chat completions, models, health, metrics.
+
+Requests are validated here, field by field, before anything reaches the engine; prompts are
+tokenized (and chat templates applied) in a worker thread, outside the engine's lock, so a big
+prompt stalls neither the event loop nor the running batch. Every error is OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`; a stream that fails after it started sends an
+error event and still ends with `data: [DONE]`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.server.common import (Completion, InvalidRequest, NotReady, Overloaded, make_sampling_params,
-                                    stream_outputs)
+from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, NotFound, NotReady, Overloaded,
+                                    check_for_model, check_sequences, check_text_size, make_sampling_params,
+                                    max_token_chars, stream_outputs)
 from jaxserve.server.metrics import Metrics
+
+access_log = logging.getLogger("jaxserve.access")
 
 # OpenAI name -> SamplingParams name, plus vLLM's extra sampling fields.
 _FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "n")
+# Accepted by OpenAI but not implemented here: refused by name rather than silently ignored. Each
+# maps to the values that mean "not used" (and so are fine to send).
+_UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
+                "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "user": (None,),
+                "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none")}
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids")
+RETRY_AFTER_429 = "1"
+RETRY_AFTER_503 = "5"
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status if code is None else code}},
+                        status_code=status, headers=headers)
+
+
+def error_event(exc: BaseException) -> str:
+    """The SSE event a stream sends when it fails after it started (then `data: [DONE]`)."""
+    status, kind, param = _classify(exc)
+    body = {"error": {"message": str(exc) or type(exc).__name__, "type": kind, "param": param, "code": status}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _classify(exc: BaseException) -> tuple[int, str, str | None]:
+    if isinstance(exc, InvalidRequest):
+        return 400, "invalid_request_error", exc.param
+    if isinstance(exc, NotFound):
+        return 404, "invalid_request_error", exc.param
+    if isinstance(exc, Overloaded):
+        return 429, "rate_limit_error", None
+    if isinstance(exc, NotReady):
+        return 503, "service_unavailable", None
+    return 500, "server_error", None
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, kind, param = _classify(exc)
+    headers = {"Retry-After": RETRY_AFTER_429} if status == 429 else \
+        {"Retry-After": RETRY_AFTER_503} if status == 503 else None
+    code = "model_not_found" if isinstance(exc, NotFound) else None
+    message = str(exc) if status != 500 or isinstance(exc, EngineFailure) else f"internal error: {exc}"
+    return error(status, message, kind, param, code, headers)
+
+
+class _AuthAndAccessLog:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide the client's disconnect from handlers):
+    the API key on /v1/, and one access-log line per request."""
+
+    def __init__(self, app: Any, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.monotonic()
+        status = {"code": 0}
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                response = error(401, "missing or wrong API key", "authentication_error")
+                status["code"] = 401
+                await response(scope, receive, send)
+                self._log(scope, 401, start)
+                return
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self._log(scope, status["code"], start)
+
+    @staticmethod
+    def _log(scope: dict, status: int, start: float) -> None:
+        client = scope.get("client") or ("-", 0)
+        access_log.info('%s "%s %s" %d %.1f ms', client[0], scope.get("method"), scope.get("path"), status,
+                        (time.monotonic() - start) * 1000)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work` unless the client disconnects first: (disconnected, result). Waits on the ASGI
+    receive channel (no polling): after the body, the next message is http.disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - cancelled on purpose; pages are freed by its finally
+                pass
+    if task.cancelled():
+        return True, None
+    return False, task.result()
 
 
 def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: str, api_key: str | None = None,
-                   max_request_bytes: int = 1 << 20) -> FastAPI:
-    app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
+                   max_request_bytes: int = 1 << 20, max_sequences_per_request: int = 128,
+                   debug_endpoints: bool = False) -> FastAPI:
+    app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_AuthAndAccessLog, api_key=api_key)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error(401, "missing or wrong API key", "authentication_error")
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, str(exc))
 
     async def body_of(request: Request) -> dict[str, Any]:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            raise InvalidRequest(f"Content-Type must be application/json, got {ctype!r}")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
+            raise InvalidRequest(f"request body is {declared} bytes, the limit is {max_request_bytes}")
         chunks, size = [], 0
-        async for chunk in request.stream():  # read on past the limit without keeping it, so the
-            size += len(chunk)                 # client gets our 400 rather than a reset connection
-            if size <= max_request_bytes:
-                chunks.append(chunk)
-        if size > max_request_bytes:
-            raise InvalidRequest(f"request body is {size} bytes, the limit is {max_request_bytes}")
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:  # stop reading: the connection is closed after our 400
+                raise InvalidRequest(f"request body is over {max_request_bytes} bytes, the limit")
+            chunks.append(chunk)
         raw = b"".join(chunks)
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise InvalidRequest("request body is not valid UTF-8") from None
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise InvalidRequest("request body must be a JSON object")
+        for key, value in body.items():
+            _check_strings(value, key)
         model = body.get("model")
         if model is not None and model != model_name:
-            raise InvalidRequest(f"model {model!r} does not exist; this server serves {model_name!r}", "model")
+            raise NotFound(f"the model {model!r} does not exist; this server serves {model_name!r}", "model")
+        for name in _BOOL_FIELDS:
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise InvalidRequest(f"{name} must be a boolean, got {body[name]!r}", name)
         return body
+
+    def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+        for name, fine in _UNSUPPORTED.items():
+            if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
+                raise InvalidRequest(f"{name} is not supported by this server", name)
+        opts = body.get("stream_options")
+        if opts is not None:
+            if not isinstance(opts, dict):
+                raise InvalidRequest("stream_options must be an object", "stream_options")
+            if opts.get("continuous_usage_stats"):
+                raise InvalidRequest("stream_options.continuous_usage_stats is not supported by this server",
+                                     "stream_options.continuous_usage_stats")
+            if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
+                raise InvalidRequest("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+        if chat and body.get("echo"):
+            raise InvalidRequest("echo is only supported by /v1/completions", "echo")
+        if not chat and body.get("echo") and body.get("stream"):
+            raise InvalidRequest("echo is not supported with stream", "echo")
 
     def sampling(body: dict[str, Any], chat: bool) -> Any:
         values = {k: body.get(k) for k in _FIELDS}
         if chat:
             values["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
+            if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+                raise InvalidRequest("logprobs must be a boolean in chat completions", "logprobs")
+            top = body.get("top_logprobs")
             if body.get("logprobs"):
-                values["logprobs"] = body.get("top_logprobs") or 0
+                values["logprobs"] = 0 if top is None else top
+            elif top is not None:
+                raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
         else:
             values["logprobs"] = body.get("logprobs")
-        if values.get("max_tokens") is None and not chat:
-            values["max_tokens"] = 16  # OpenAI's completions default
-        return make_sampling_params(values)
+            if body.get("echo") and values["logprobs"] is not None:
+                values["prompt_logprobs"] = values["logprobs"]
+            if values.get("max_tokens") is None:
+                values["max_tokens"] = 16  # OpenAI's completions default
+        if "stop" in body and body["stop"] is not None and not isinstance(body["stop"], (str, list)):
+            raise InvalidRequest(f"stop must be a string or a list of strings, got {body['stop']!r}", "stop")
+        params = make_sampling_params(values)
+        if chat and values["max_tokens"] is None:
+            params.max_tokens = None  # OpenAI's chat default: the rest of the context (set per prompt)
+        return params
 
     def engine_or_raise() -> Any:
         engine = get_engine()
@@ -75,24 +238,113 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             raise NotReady("the server is not ready (loading, compiling or shutting down)")
         return engine
 
-    def chat_prompt(engine: Any, messages: Any) -> list[int]:
+    def chat_messages(messages: Any) -> list[dict[str, Any]]:
+        """Validate messages; text parts joined; `content: null` allowed with tool_calls."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("messages must be a non-empty list", "messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InvalidRequest("messages: each message needs a string role and content", "messages")
-        ids = engine.engine.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise InvalidRequest(f"{where} must be an object", "messages")
+            role = m.get("role")
+            if role not in _CHAT_ROLES:
+                raise InvalidRequest(f"{where}.role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}", "messages")
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    is_text = isinstance(part, dict) and part.get("type") == "text"
+                    if not is_text or not isinstance(part.get("text"), str):
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise InvalidRequest(f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
+                                             "messages")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            elif content is None:
+                if not (role == "assistant" and m.get("tool_calls")):
+                    raise InvalidRequest(f"{where}.content may be null only in an assistant message with tool_calls",
+                                         "messages")
+                content = ""
+            elif not isinstance(content, str):
+                raise InvalidRequest(f"{where}.content must be a string or a list of text parts", "messages")
+            msg: dict[str, Any] = {"role": role, "content": content}
+            for extra in ("name", "tool_calls", "tool_call_id"):
+                if m.get(extra) is not None:
+                    msg[extra] = m[extra]
+            out.append(msg)
+        return out
 
     def completion_prompts(body: dict[str, Any]) -> list[Any]:
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and prompt:
             return [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if isinstance(prompt, list) and prompt and all(
+                (isinstance(p, str) and p) or (isinstance(p, list) and p and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
             return prompt
-        raise InvalidRequest("prompt must be a non-empty string, list of strings or list of token ids", "prompt")
+        raise InvalidRequest("prompt must be a non-empty string, list of strings, list of token ids or list of "
+                             "token-id lists", "prompt")
+
+    async def prepare(engine: Any, body: dict[str, Any], chat: bool) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids (and text) of every prompt, computed in a worker thread."""
+        e = engine.engine
+        tokenizer = e.tokenizer
+        limit_chars = e.max_model_len * max_token_chars(tokenizer)
+        if chat:
+            messages = chat_messages(body.get("messages"))
+            total = sum(len(m["content"]) for m in messages)
+            if total > limit_chars:  # cannot fit the context, whatever it tokenizes to: skip the work
+                raise InvalidRequest(f"messages hold {total} characters, more than a {e.max_model_len}-token "
+                                     "context can hold", "messages")
+
+            def render() -> list[int]:
+                ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+                return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+
+            try:
+                ids = await asyncio.to_thread(render)
+            except Exception as exc:  # noqa: BLE001 - the template refused these messages
+                raise InvalidRequest(f"messages: the chat template failed: {exc}", "messages") from None
+            return [ids], [None]
+        prompts = completion_prompts(body)
+        check_sequences(len(prompts), body.get("n") if isinstance(body.get("n"), int) else 1,
+                        max_sequences_per_request)
+        texts: list[str | None] = []
+        for p in prompts:
+            if isinstance(p, str):
+                check_text_size(p, max_request_bytes, "prompt")
+                if len(p) > limit_chars:
+                    raise InvalidRequest(f"prompt is {len(p)} characters, more than a {e.max_model_len}-token "
+                                         "context can hold", "prompt")
+                texts.append(p)
+            else:
+                vocab = e.model_config.vocab_size
+                bad = next((t for t in p if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise InvalidRequest(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt")
+                texts.append(None)
+        strs = [p for p in prompts if isinstance(p, str)]
+
+        def encode() -> list[list[int]]:
+            return [list(tokenizer(s, add_special_tokens=True).input_ids) for s in strs]
+
+        encoded = iter(await asyncio.to_thread(encode)) if strs else iter(())
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts], texts
+
+    def fit_max_tokens(engine: Any, params: Any, prompt_ids: list[list[int]]) -> Any:
+        """Chat without max_tokens: the rest of the context (and of the page pool)."""
+        if params.max_tokens is not None:
+            return params
+        e = engine.engine
+        capacity = (e.num_pages - 1) * e.pool.page_size
+        longest = max(len(ids) for ids in prompt_ids)
+        if longest >= e.max_model_len:
+            raise InvalidRequest(f"prompt is {longest} tokens, the context length is {e.max_model_len}", "messages")
+        params.max_tokens = max(1, min(e.max_model_len, capacity) - longest)
+        return params
 
     def logprobs_json(comp: Completion, tokenizer: Any, chat: bool) -> Any:
         if not comp.logprobs:
@@ -101,23 +353,29 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             content = []
             for tok, entry in zip(comp.token_ids, comp.logprobs):
                 content.append({"token": tokenizer.decode([tok]), "logprob": entry[tok],
-                                "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": lp}
+                                "bytes": list(tokenizer.decode([tok]).encode("utf-8")),
+                                "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": lp,
+                                                  "bytes": list(tokenizer.decode([t]).encode("utf-8"))}
                                                  for t, lp in entry.items()]})
             return {"content": content}
         return {"tokens": [tokenizer.decode([t]) for t in comp.token_ids],
                 "token_logprobs": [e[t] for t, e in zip(comp.token_ids, comp.logprobs)],
                 "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.items()} for e in comp.logprobs]}
 
-    async def run_all(engine, prompts, params, request: Request, rid: str):
-        """Non-streaming: run every prompt, abort all if the client goes away."""
+    async def run_all(engine, prompts, texts, params, rid: str):
+        """Non-streaming: run every prompt to the end (the caller aborts on disconnect)."""
         results: dict[tuple[int, int], Completion] = {}
+        prompt_logprobs: dict[int, Any] = {}
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
 
         async def one(pi: int, prompt: Any):
-            async for out in stream_outputs(engine, metrics, prompt, params, request_id=f"{rid}-p{pi}"):
+            async for out in stream_outputs(engine, metrics, prompt, params, request_id=f"{rid}-p{pi}",
+                                            prompt_text=texts[pi]):
                 comp = out.outputs[0]
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[pi] = out.prompt_logprobs
                 if out.finished:
-                    results[(pi, comp.index)] = Completion(comp.text, comp.token_ids, comp.logprobs or [],
+                    results[(pi, comp.index)] = Completion(comp.text, list(comp.token_ids), comp.logprobs or [],
                                                            comp.finish_reason)
                     usage["completion_tokens"] += len(comp.token_ids)
                     if comp.index == 0:
@@ -126,20 +384,13 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
         tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
         try:
-            while not all(t.done() for t in tasks):
-                await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
-                if any(t.done() and t.exception() for t in tasks):
-                    break
-                if await request.is_disconnected():
-                    break
+            await asyncio.gather(*tasks)
         finally:
-            for t in tasks:
+            for t in tasks:  # one failed or we were cancelled: stop the rest (their pages are freed)
                 if not t.done():
                     t.cancel()
-        for t in tasks:
-            if t.done() and not t.cancelled() and t.exception():
-                raise t.exception()
-        return results, usage
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return results, usage, prompt_logprobs
 
     def usage_json(u: dict[str, int]) -> dict[str, Any]:
         return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
@@ -149,41 +400,65 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
     async def handle(request: Request, chat: bool) -> Response:
         try:
             body = await body_of(request)
+            refuse_unsupported(body, chat)
             engine = engine_or_raise()
             params = sampling(body, chat)
-            prompts = [chat_prompt(engine, body.get("messages"))] if chat else completion_prompts(body)
+            check_for_model(params, engine)
+            if chat:
+                check_sequences(1, params.n, max_sequences_per_request)
+            disconnected, prepared = await _until_disconnect(request, prepare(engine, body, chat))
+            if disconnected:
+                return Response(status_code=499)
+            prompts, texts = prepared
+            params = fit_max_tokens(engine, params, prompts)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
             created = int(time.time())
             obj = "chat.completion" if chat else "text_completion"
+            want_ids = bool(body.get("return_token_ids"))
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                stream = stream_response(engine, prompts, params, rid, created, chat, include_usage)
-                first = await stream.__anext__()  # surface validation errors as a 400, not mid-stream
-                return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-            results, usage = await run_all(engine, prompts, params, request, rid)
+                stream = stream_response(engine, prompts, texts, params, rid, created, chat, include_usage, want_ids)
+                # Admission errors surface as a 400/429, not mid-stream; a client gone meanwhile aborts it.
+                disconnected, first = await _until_disconnect(request, stream.__anext__())
+                if disconnected:
+                    await stream.aclose()
+                    return Response(status_code=499)
+                return StreamingResponse(_prepend(first, stream), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            disconnected, ran = await _until_disconnect(request, run_all(engine, prompts, texts, params, rid))
+            if disconnected:  # nobody to answer; the requests were aborted and their pages freed
+                return Response(status_code=499)
+            results, usage, prompt_logprobs = ran
             tok = engine.engine.tokenizer
             choices = []
             for (pi, ci), comp in sorted(results.items()):
                 index = pi * params.n + ci
-                choice: dict[str, Any] = {"index": index, "finish_reason": comp.finish_reason,
-                                          "logprobs": logprobs_json(comp, tok, chat)}
+                choice: dict[str, Any] = {"index": index}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": comp.text}
+                    choice["logprobs"] = logprobs_json(comp, tok, chat)
+                elif body.get("echo"):
+                    choice.update(echo_choice(comp, prompts[pi], texts[pi], prompt_logprobs.get(pi),
+                                              params.logprobs is not None, tok))
                 else:
                     choice["text"] = comp.text
+                    choice["logprobs"] = logprobs_json(comp, tok, chat)
+                choice["finish_reason"] = comp.finish_reason
+                if want_ids:
+                    choice["token_ids"] = comp.token_ids
                 choices.append(choice)
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
                                  "choices": choices, "usage": usage_json(usage)})
-        except InvalidRequest as exc:
-            return error(400, str(exc), param=exc.param)
-        except Overloaded as exc:
-            return error(429, str(exc), "rate_limit_error")
-        except NotReady as exc:
-            return error(503, str(exc), "service_unavailable")
+        except (InvalidRequest, NotFound, Overloaded, NotReady, EngineFailure) as exc:
+            return error_response(exc)
         except Exception as exc:  # noqa: BLE001 - this request alone fails, in OpenAI's shape
-            return error(500, f"internal error: {exc}", "server_error")
+            logging.getLogger(__name__).exception("request failed")
+            return error_response(exc)
 
-    async def stream_response(engine, prompts, params, rid, created, chat, include_usage) -> AsyncIterator[str]:
+    async def stream_response(engine, prompts, texts, params, rid, created, chat, include_usage,
+                              want_ids) -> AsyncIterator[str]:
+        """SSE chunks. Every engine output with new tokens is sent, even when its text is held
+        back (a possible stop string, an incomplete character): its token ids and logprobs count."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
@@ -191,15 +466,22 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
         async def one(pi: int, prompt: Any):
             try:
-                async for out in stream_outputs(engine, metrics, prompt, params, request_id=f"{rid}-p{pi}"):
+                async for out in stream_outputs(engine, metrics, prompt, params, request_id=f"{rid}-p{pi}",
+                                                prompt_text=texts[pi]):
                     await queue.put((pi, out))
                 await queue.put((pi, None))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put((pi, exc))
 
+        def chunk(choices: list[dict[str, Any]], usage_value: Any = None) -> str:
+            c: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+            if include_usage:
+                c["usage"] = usage_value
+            return f"data: {json.dumps(c)}\n\n"
+
         tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
         done = 0
-        first = True
+        sent = False  # nothing sent yet: an error is still the handler's 400/429/503
         try:
             while done < len(tasks):
                 pi, item = await queue.get()
@@ -207,7 +489,15 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                     done += 1
                     continue
                 if isinstance(item, BaseException):
-                    raise item
+                    if not sent:
+                        raise item
+                    yield error_event(item)
+                    yield "data: [DONE]\n\n"
+                    return
+                if chat and not sent:  # OpenAI's first chunk: every choice's role, before any content
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for i in range(len(prompts) * params.n)])
+                sent = True
                 comp = item.outputs[0]
                 index = pi * params.n + comp.index
                 if item.finished:
@@ -215,29 +505,23 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                     if comp.index == 0:
                         usage["prompt_tokens"] += len(item.prompt_token_ids)
                         usage["cached"] += item.num_cached_tokens
-                if not item.delta_text and not item.finished and not first:
+                if not item.delta_text and not item.delta_token_ids and not item.finished:
                     continue
                 if chat:
-                    delta: dict[str, Any] = {"content": item.delta_text}
-                    if first:
-                        delta["role"] = "assistant"
-                    choice: dict[str, Any] = {"index": index, "delta": delta}
+                    choice: dict[str, Any] = {"index": index, "delta": {"content": item.delta_text}}
                 else:
                     choice = {"index": index, "text": item.delta_text}
-                choice["finish_reason"] = comp.finish_reason if item.finished else None
+                choice["logprobs"] = None
                 if comp.logprobs and item.delta_token_ids:
                     n_new = len(item.delta_token_ids)
                     part = Completion(token_ids=item.delta_token_ids, logprobs=comp.logprobs[-n_new:])
                     choice["logprobs"] = logprobs_json(part, tok, chat)
-                first = False
-                chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield f"data: {json.dumps(chunk)}\n\n"
+                choice["finish_reason"] = comp.finish_reason if item.finished else None
+                if want_ids:
+                    choice["token_ids"] = list(item.delta_token_ids)
+                yield chunk([choice])
             if include_usage:
-                chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                         "usage": usage_json(usage)}
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield chunk([], usage_json(usage))
             yield "data: [DONE]\n\n"
         finally:  # the client left (or we are done): abort whatever still runs
             for t in tasks:
@@ -252,21 +536,91 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
     async def chat_completions(request: Request) -> Response:
         return await handle(request, chat=True)
 
+    def model_card() -> dict[str, Any]:
+        engine = get_engine()
+        card: dict[str, Any] = {"id": model_name, "object": "model", "created": 0, "owned_by": "jaxserve"}
+        if engine is not None:
+            card["max_model_len"] = engine.engine.max_model_len
+        return card
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxserve"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> Response:
+        if model_id != model_name:
+            return error(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                         param="model", code="model_not_found")
+        return JSONResponse(model_card())
 
     @app.get("/health")
     async def health() -> Response:
         engine = get_engine()
         ok = engine is not None and engine.accepting
-        return JSONResponse({"status": "ok" if ok else "loading"}, status_code=200 if ok else 503)
+        status = "ok" if ok else ("loading" if engine is None else "draining")
+        return JSONResponse({"status": status}, status_code=200 if ok else 503,
+                            headers=None if ok else {"Retry-After": RETRY_AFTER_503})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(get_engine()), media_type="text/plain; version=0.0.4")
 
+    if debug_endpoints:
+        @app.get("/debug/pages")
+        async def pages() -> Response:
+            """Tests: page-pool invariants (checked between steps) and page counts."""
+            engine = get_engine()
+            if engine is None:
+                return error(503, "not ready", "service_unavailable")
+            try:
+                return JSONResponse(await asyncio.to_thread(engine.check_invariants))
+            except AssertionError as exc:
+                return error(500, f"invariant violated: {exc}", "server_error")
+
     return app
+
+
+def echo_choice(comp: Completion, prompt_ids: list[int], prompt_text: str | None,
+                prompt_logprobs: list | None, want_logprobs: bool, tokenizer: Any) -> dict[str, Any]:
+    """OpenAI's legacy echo: the prompt before the completion, in the text and the logprobs
+    (the first prompt token has no logprob: null), with each token's character offset."""
+    head = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
+    out: dict[str, Any] = {"text": head + comp.text, "logprobs": None}
+    if not want_logprobs:
+        return out
+    ids = list(prompt_ids) + list(comp.token_ids)
+    tokens = [tokenizer.decode([t]) for t in ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    entries = list(prompt_logprobs or [None] * len(prompt_ids)) + list(comp.logprobs)
+    out["logprobs"] = {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e.get(t) for t, e in zip(ids, entries)],
+        "top_logprobs": [None if e is None else {tokenizer.decode([k]): lp for k, lp in e.items()}
+                         for e in entries],
+        "text_offset": offsets,
+    }
+    return out
+
+
+def _check_strings(value: Any, name: str) -> None:
+    """Every string in the body must be encodable (JSON's "\\ud800" decodes to an unpaired surrogate)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(f"{name} holds an unpaired surrogate, which is not valid Unicode", name) from None
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+            stack.extend(v.keys())
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -20,7 +20,13 @@ class Metrics:
         self.running = Gauge("jaxserve:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("jaxserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_pages_used = Gauge("jaxserve:kv_cache_pages_used", "KV pages owned by requests or the prefix cache", registry=r)
-        self.kv_usage = Gauge("jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use", registry=r)
+        self.kv_usage = Gauge("jaxserve:kv_cache_usage_perc",
+                              "Fraction of KV pages held by requests (evictable prefix-cache pages count as free)",
+                              registry=r)
+        self.kv_pages_evictable = Gauge("jaxserve:kv_cache_pages_evictable",
+                                        "Prefix-cache pages no request holds (reclaimable)", registry=r)
+        self.preemptions = Counter("jaxserve:num_preemptions", "Requests preempted (recomputed later)", registry=r)
+        self._preemptions_seen = 0
         self.prefix_hit_rate = Gauge("jaxserve:prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens", registry=r)
         self.compiles = Gauge("jaxserve:compile_count_after_warmup", "XLA compilations since warm-up", registry=r)
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens processed", registry=r)
@@ -39,8 +45,17 @@ class Metrics:
             self.waiting.set(e.num_waiting)
             used = e.num_used_pages
             self.kv_pages_used.set(used)
-            self.kv_usage.set(used / max(1, (e.num_pages - 1) * len(e.replicas)))
             caches = [r.prefix_cache for r in e.replicas if r.prefix_cache is not None]
+            try:  # read while the engine thread runs: a tree changing under the walk is retried next scrape
+                evictable = sum(c.evictable_pages() for c in caches)
+            except RuntimeError:
+                evictable = 0
+            self.kv_pages_evictable.set(evictable)
+            self.kv_usage.set(max(0, used - evictable) / max(1, (e.num_pages - 1) * len(e.replicas)))
+            total = sum(getattr(r.scheduler, "num_preemptions", 0) for r in e.replicas)
+            if total > self._preemptions_seen:
+                self.preemptions.inc(total - self._preemptions_seen)
+                self._preemptions_seen = total
             if caches:
                 self.prefix_hit_rate.set(sum(c.hit_rate for c in caches) / len(caches))
             self.compiles.set(e.compiles_after_warmup)
