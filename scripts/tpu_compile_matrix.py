@@ -9,7 +9,7 @@ the kernel must refuse up front (``expect_error``) and the ValueError names the 
   python scripts/tpu_compile_matrix.py --write-docs     # and refresh the table in docs/kernels.md
   python scripts/tpu_compile_matrix.py --chips v5e --json out.json
 
-Needs ``libtpu`` (the ``compile-tpu`` extra). tests/test_tpu_compile.py runs the same matrix.
+Needs ``libtpu`` beside the venv (``bash scripts/install_libtpu.sh``). tests/test_tpu_compile.py runs the same matrix.
 """
 
 from __future__ import annotations
@@ -102,7 +102,20 @@ MATRIX: list[tuple[str, Case]] = ([(chip, c) for chip in ("v5e", "v6e") for c in
 _TOPOLOGIES: dict = {}
 
 
+def libtpu_dir() -> Path:
+    """Where scripts/install_libtpu.sh put libtpu for this venv's jax (JAXSERVE_LIBTPU_DIR overrides)."""
+    from importlib import metadata
+
+    return Path(os.environ.get("JAXSERVE_LIBTPU_DIR", Path(sys.prefix) / "libtpu" / metadata.version("jax")))
+
+
 def _setup_env() -> None:
+    # libtpu lives beside the venv, not in it (scripts/install_libtpu.sh): on the path of this
+    # process and of the spawned workers only.
+    extra = str(libtpu_dir())
+    if (Path(extra) / "libtpu").is_dir() and extra not in sys.path:
+        sys.path.insert(0, extra)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compile processes at once
@@ -114,9 +127,9 @@ def libtpu_available() -> str | None:
     try:
         import importlib.util
 
-        if importlib.util.find_spec("libtpu") is None:
-            return "libtpu is not installed (pip install -e '.[compile-tpu]')"
         _setup_env()
+        if importlib.util.find_spec("libtpu") is None:
+            return f"libtpu is not installed (bash scripts/install_libtpu.sh puts it in {libtpu_dir()})"
         _topology("v5e")
         return None
     except Exception as e:  # noqa: BLE001 - any failure means no deviceless compiler here
