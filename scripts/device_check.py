@@ -262,8 +262,16 @@ def bench(kernels: dict[str, Callable[..., jax.Array]], kind: str, quick: bool, 
     return rows
 
 
-def sweep(platform: str, interpret: bool, start: float) -> list[dict[str, Any]]:
-    """A few block sizes on one decode and one prefill step (device time, correctness vs the default)."""
+def sweep(platform: str, interpret: bool, start: float, wide: bool = False) -> list[dict[str, Any]]:
+    """A few block sizes on one decode and one prefill step (device time, correctness vs the default).
+    `wide` (GPU): more KV blocks and pipeline stages, at the decode roofline's shape too."""
+    if wide and platform == "gpu" and not interpret:
+        shape, iters = dict(LLAMA), (4, 24)
+        steps = [("decode_b128_ctx8000", [1] * 128, [8000] * 128), ("decode", [1] * 64, [4096] * 64),
+                 ("prefill", [512] * 4, [1024] * 4)]
+        configs = ([dict(block_q=64, block_kv=bkv, num_stages=ns) for bkv in (32, 64, 128, 256) for ns in (2, 3)]
+                   + [dict(block_q=128, block_kv=bkv) for bkv in (32, 64, 128)])
+        return _sweep_rows(ragged_paged_attention_gpu, shape, iters, steps, configs, start)
     if interpret:
         shape, iters, steps = dict(SMOL), (1, 3), [("decode", [1] * 2, [64] * 2), ("prefill", [32], [48])]
     else:
@@ -279,6 +287,11 @@ def sweep(platform: str, interpret: bool, start: float) -> list[dict[str, Any]]:
         if interpret:
             configs = configs[:2]
             steps = steps[:1]
+    return _sweep_rows(fn, shape, iters, steps, configs, start)
+
+
+def _sweep_rows(fn: Callable[..., jax.Array], shape: dict[str, int], iters: tuple[int, int], steps: list,
+                configs: list[dict[str, int]], start: float) -> list[dict[str, Any]]:
     rng = np.random.default_rng(2)
     rows = []
     for name, q_lens, kv_lens in steps:
@@ -296,6 +309,7 @@ def sweep(platform: str, interpret: bool, start: float) -> list[dict[str, Any]]:
                 f = lambda *a, cfg=cfg: fn(*a, **kw, **cfg)  # noqa: E731
                 row["rel_err"] = rel_err(jax.jit(f)(*args)[:real], ref[:real])
                 row["us"] = device_time(f, args, iters) * 1e6
+                row["GBps"] = step_costs(q_lens, kv_lens, shape, 2)[0] / row["us"] / 1e3
                 row["ok"] = row["rel_err"] <= 3e-2
             except Exception as e:  # noqa: BLE001
                 row.update(error=_err(e), ok=False)
@@ -473,6 +487,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer configs and iterations")
     ap.add_argument("--interpret", action="store_true", help="interpret-mode kernels on tiny shapes (CPU smoke run)")
     ap.add_argument("--meshes", default=None, help="comma list, e.g. 1x1,1x4 (default: 1x1,1xN,Nx1 if N>1 devices)")
+    ap.add_argument("--sweep-wide", action="store_true", help="GPU: only a wider block-size sweep, to --out")
     ap.add_argument("--skip-engine", action="store_true", help="no engine run (it is then reported as not run: FAIL)")
     a = ap.parse_args()
     start = time.time()
@@ -488,6 +503,11 @@ def main() -> int:
     report: dict[str, Any] = dict(jax_version=jax.__version__, python=sys.version.split()[0], platform=platform,
                                   device_kind=kind, peak_bandwidth_Bps=bw, peak_flops=fl, interpret=a.interpret,
                                   quick=a.quick)
+    if a.sweep_wide:
+        report["sweep_wide"] = sweep(platform, a.interpret, start, wide=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1, default=str))
+        return 0
     print("1. correctness vs the XLA reference:", flush=True)
     t0 = time.time()
     # A quick CPU run checks the GPU kernel only: the TPU interpreter simulates every DMA through

@@ -284,7 +284,7 @@ def test_kernels_lower_for_their_hardware(shape, monkeypatch):
 # --- GPU kernel: the per-device tiles (GPU_BLOCKS), interpreted --------------------------------
 @pytest.mark.parametrize("case", [BF16_CASE, CASES[1]], ids=lambda c: c.name)
 def test_gpu_hopper_tile_interpret(case: Case):
-    """The Hopper table's tiles (bf16: block_q 64 for wgmma, block_kv 64; f32: block_q 32), interpreted."""
+    """The Hopper table's tiles (bf16: block_q 64 for wgmma, block_kv 128; f32: block_q 32), interpreted."""
     from jaxserve.pallas_kernels.ragged_paged_attention_gpu import gpu_blocks_for
 
     b = gpu_blocks_for("NVIDIA H200")
@@ -303,7 +303,8 @@ def test_gpu_block_sizes_fit_shared_memory():
 
     h200, l4 = gpu_blocks_for("NVIDIA H200"), gpu_blocks_for("NVIDIA L4")
     fit = functools.partial(_fit_blocks, rows_decode=16, num_warps=4, kind="test", dtype_name="x", kv_from="block_kv")
-    assert fit(block_q=None, block_kv=None, head_dim=128, itemsize=2, blocks=h200) == (64, 64)
+    assert fit(block_q=None, block_kv=None, head_dim=128, itemsize=2, blocks=h200) == (64, 128)
+    assert fit(block_q=None, block_kv=None, head_dim=128, itemsize=4, blocks=h200) == (32, 128)  # ~224 KB
     assert fit(block_q=None, block_kv=None, head_dim=256, itemsize=4, blocks=h200) == (32, 32)  # clamped
     assert fit(block_q=None, block_kv=None, head_dim=256, itemsize=4, blocks=l4) == (32, 16)  # 99 KB
     with pytest.raises(ValueError, match="block_kv.*227 KB"):
