@@ -6,7 +6,10 @@ already written) is ``kv_lens[s]`` tokens long and lives in the pages ``page_tab
 
 KV pool layout: ``[num_pages, page_size, 2 * kv_heads, head_dim]`` with K and V interleaved on
 the head axis (K of head h at 2h, V at 2h+1), as tpu-inference does: one DMA brings both.
-Page 0 is the null page; padding tokens write there and no sequence owns it.
+Page 0 is the null page; padding tokens write there and no sequence owns it. On TPU with head_dim
+< 128 the same bytes are stored lane-dense instead, ``[num_pages, page_size * W, 128]``
+(``KV_LAYOUT_LANES``; W = 2*KVH*D/128): XLA gives a 64-wide minor dim a transposed TPU layout,
+and would copy the whole pool around the kernel on every step (``pool_layout``).
 
 The XLA reference gathers, for every query token, a block of its own sequence's pages at a time
 and folds it into an online softmax: the oracle that every kernel is tested against. CPUs serve
@@ -245,6 +248,39 @@ def ragged_paged_attention_split(
 
 
 BACKENDS = ("auto", "xla", "pallas", "cpu", "xla-reference")
+KV_LAYOUT_PAGES, KV_LAYOUT_LANES = "pages", "lanes"
+_LANES = 128
+
+
+def pool_layout(backend: str, head_dim: int, num_kv_heads: int, model_parallel: int = 1,
+                platform: str | None = None) -> str:
+    """How the pool is stored: lane-dense on TPU for head_dim < 128 (the kernel's page view is then
+    the array itself, with no relayout copy), the 4-D page layout everywhere else. Tensor-parallel
+    meshes keep the 4-D layout: they split the pool over its head axis, which the lane-dense rows
+    interleave with the token axis."""
+    lanes_fit = head_dim < _LANES and (2 * num_kv_heads * head_dim) % _LANES == 0
+    platform = jax.default_backend() if platform is None else platform
+    on_tpu = platform == "tpu" and backend in ("auto", "pallas")  # what resolve_backend gives there
+    return KV_LAYOUT_LANES if lanes_fit and on_tpu and model_parallel == 1 else KV_LAYOUT_PAGES
+
+
+def pool_shape(layout: str, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+               head_dim: int) -> tuple[int, ...]:
+    """The pool array's shape for a layout (the same number of elements either way)."""
+    if layout == KV_LAYOUT_LANES:
+        return (num_layers, num_pages, page_size * 2 * num_kv_heads * head_dim // _LANES, _LANES)
+    return (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
+
+
+def with_pool_layout(attention_fn: Any, kv_write_fn: Any, layout: str, page_size: int) -> tuple[Any, Any]:
+    """Attention and KV-write functions for a pool stored in `layout` (the model passes the pool
+    through as it is)."""
+    if layout == KV_LAYOUT_PAGES:
+        return attention_fn, kv_write_fn
+    from jaxserve.pallas_kernels.ragged_paged_attention_tpu import write_kv_rows
+
+    return (functools.partial(attention_fn, pool_page_size=page_size),
+            functools.partial(write_kv_rows, page_size=page_size))
 
 
 def resolve_backend(backend: str) -> str:

@@ -18,6 +18,7 @@ import argparse
 import importlib
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -50,13 +51,17 @@ class Case:
     block_q: int | None = None
     layers: int = 0  # > 0: a model-like step (scan over layers, KV write + attention), pool copies counted
     slab_pool: bool = False  # the pool stored lane-dense [N, rows, 128] (head_dim 64 without copies)
+    # The engine's own step (LlamaForCausalLM with the runner's layout choice and functions, small
+    # hidden size, these attention shapes) instead of the model-like stand-in.
+    engine_step: bool = False
     expect_error: str | None = None  # the kernel must refuse this shape up front with this text
 
     def describe(self) -> str:
         extra = [f"sw{self.sliding_window}"] if self.sliding_window else []
         extra += [f"cap{self.soft_cap:g}"] if self.soft_cap else []
         extra += [f"bq{self.block_q}"] if self.block_q else []
-        extra += [f"{self.layers}-layer step" + (", slab pool" if self.slab_pool else "")] if self.layers else []
+        kind = "engine step" if self.engine_step else "step"
+        extra += [f"{self.layers}-layer {kind}" + (", slab pool" if self.slab_pool else "")] if self.layers else []
         return (f"{self.heads}/{self.kv_heads}/{self.head_dim} ps{self.page_size} T{self.tokens} "
                 f"S{self.seqs} P{self.pages}" + (" " + " ".join(extra) if extra else ""))
 
@@ -83,6 +88,9 @@ def _cases() -> list[Case]:
         Case("smollm2 step", 9, 3, 64, 16, "bfloat16", 64, 64, 32, layers=2),
         Case("smollm2 step", 9, 3, 64, 16, "bfloat16", 64, 64, 32, layers=2, slab_pool=True),
         Case("llama3-8b step", 32, 8, 128, 16, "bfloat16", 64, 64, 32, layers=2),
+        # The runner's choice on TPU: head_dim 64 lane-dense (slab_pool), 128 in pages.
+        Case("smollm2 engine", 9, 3, 64, 16, "bfloat16", 64, 64, 32, layers=2, slab_pool=True, engine_step=True),
+        Case("llama3-8b engine", 32, 8, 128, 16, "bfloat16", 64, 64, 32, layers=2, engine_step=True),
         Case("llama3-8b 512x8K", 32, 8, 128, 16, "bfloat16", 512, 512, 512, expect_error="scalar memory"),
         # configs/llama3-8b-tpu-v5e-4.yaml: 1024 tokens, 128 seqs, 8K at page 32, one of 4 tensor shards
         Case("llama3-8b tp4 shard", 8, 2, 128, 32, "bfloat16", 1024, 128, 256),
@@ -195,6 +203,8 @@ def compile_case(chip: str, case: Case) -> dict:
             fn = functools.partial(rpa.ragged_paged_attention_tpu, **kw)
             args = (sds((t, h, d), dtype), sds((num_pages, ps, 2 * kvh, d), dtype), *meta)
             pool_elems = num_pages * ps * 2 * kvh * d
+        elif case.engine_step:
+            fn, args, pool_elems = _engine_step(case, kw, sds, meta, num_pages)
         else:
             fn, args, pool_elems = _model_step(case, kw, sds, meta, num_pages)
         with jax.set_mesh(mesh):  # the kernel reads the chip generation from the mesh's device
@@ -257,6 +267,50 @@ def _model_step(case: Case, kw: dict, sds, meta, num_pages: int):
     fn = jax.jit(step, donate_argnums=(1,))
     args = (sds((t, h, d), dtype), sds(pool_shape, dtype), *meta, sds((t,), jnp.int32))
     return fn, args, L * num_pages * rows * 128
+
+
+def _engine_step(case: Case, kw: dict, sds, meta, num_pages: int):
+    """The engine's step as the runner builds it on a TPU: LlamaForCausalLM (hidden 256, the case's
+    heads), the pool in the layout `attention.pool_layout` picks there, the layout's attention and
+    KV-write functions, the pool donated. Counts what XLA does to the pool around the kernel."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve import attention
+    from jaxserve.models.llama import LlamaForCausalLM, ModelConfig
+    rpa = importlib.import_module("jaxserve.pallas_kernels.ragged_paged_attention_tpu")
+
+    dtype = jnp.dtype(case.dtype)
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=256,
+                      num_layers=case.layers, num_heads=case.heads, num_kv_heads=case.kv_heads,
+                      head_dim=case.head_dim)
+    layout = attention.pool_layout("pallas", cfg.head_dim, cfg.num_kv_heads, platform="tpu")
+    if (layout == attention.KV_LAYOUT_LANES) != case.slab_pool:
+        raise AssertionError(f"pool_layout chose {layout!r} for this case on TPU")
+    shape = attention.pool_shape(layout, cfg.num_layers, num_pages, case.page_size, cfg.num_kv_heads, cfg.head_dim)
+
+    def tpu_attention(q, pool, kv_lens, pt, cu, ns, *, k_new=None, v_new=None, **kw2):
+        return rpa.ragged_paged_attention_tpu(q, pool, kv_lens, pt, cu, ns, **kw2)
+
+    attention_fn, kv_write_fn = attention.with_pool_layout(
+        functools.partial(tpu_attention, block_q=kw["block_q"]), attention.write_kv, layout, case.page_size)
+    graphdef, state = nnx.split(LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)))
+
+    def step(state, pool, tokens, positions, slots, kv_lens, pt, cu, ns):
+        model = nnx.merge(graphdef, state)
+        md = attention.AttentionMetadata(positions, slots, kv_lens, pt, cu, ns)
+        hidden, pool = model(tokens, md, pool, attention_fn, kv_write_fn, page_size=case.page_size)
+        return pool, model.compute_logits(hidden[:1])
+
+    t = case.tokens
+    abstract_state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
+    i32 = sds((t,), jnp.int32)
+    kv_lens, pt, cu, ns = meta
+    args = (abstract_state, sds(shape, dtype), i32, i32, i32, kv_lens, pt, cu, ns)
+    return jax.jit(step, donate_argnums=(1,)), args, math.prod(shape)
 
 
 # Decode roofline: per-element VPU work of compute_block, counted from the kernel's code (ops on

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.attention import AttentionMetadata, get_attention_fn, write_kv
+from jaxserve.attention import (KV_LAYOUT_PAGES, AttentionMetadata, get_attention_fn, pool_layout, pool_shape,
+                                with_pool_layout, write_kv)
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import SampleOutput, SamplingArrays, empty_sampling_arrays, sample
 from jaxserve.engine.scheduler import StepPlan
@@ -108,13 +109,21 @@ class ModelRunner:
         self.history_len = history_len
         self.mesh = mesh
         cfg = model.cfg
-        self.kv_shape = (cfg.num_layers, num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
-        attention_fn, kv_write_fn = get_attention_fn(attention_backend), write_kv
+        self.page_size = page_size
+        self.kv_layout = pool_layout(attention_backend, cfg.head_dim, cfg.num_kv_heads,
+                                     1 if mesh is None else mesh.shape["model"])
+        self.kv_shape = pool_shape(self.kv_layout, cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
+                                   cfg.head_dim)
+        attention_fn, kv_write_fn = with_pool_layout(get_attention_fn(attention_backend), write_kv,
+                                                     self.kv_layout, page_size)
         self._kv_sharding = self._input_sharding = None
         if mesh is not None:
             from jaxserve import parallel
 
-            self._kv_sharding, self._input_sharding = parallel.kv_pool_sharding(mesh), parallel.replicated(mesh)
+            self._input_sharding = parallel.replicated(mesh)
+            # A lane-dense pool only exists without tensor parallelism: replicated over the replica.
+            self._kv_sharding = (parallel.kv_pool_sharding(mesh) if self.kv_layout == KV_LAYOUT_PAGES
+                                 else self._input_sharding)
             if mesh.shape["model"] > 1:
                 attention_fn = parallel.shard_attention(attention_fn, mesh)
                 kv_write_fn = parallel.shard_kv_write(write_kv, mesh)
@@ -123,7 +132,7 @@ class ModelRunner:
 
         def step(state, kv_cache, tokens, md: AttentionMetadata, logits_indices, prompt_targets):
             m = nnx.merge(self.graphdef, state)
-            hidden, kv_cache = m(tokens, md, kv_cache, attention_fn, kv_write_fn)
+            hidden, kv_cache = m(tokens, md, kv_cache, attention_fn, kv_write_fn, page_size=page_size)
             logits = m.compute_logits(hidden[logits_indices]).astype(jnp.float32)
             return kv_cache, logits, prompt_logprobs(m, hidden, prompt_targets)
 

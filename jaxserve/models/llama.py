@@ -201,11 +201,15 @@ class LlamaForCausalLM(nnx.Module):
         kv_cache: jax.Array,
         attention_fn: Callable[..., jax.Array],
         kv_write_fn: Callable[..., jax.Array] = write_kv,
+        page_size: int | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """tokens [T]; kv_cache [L, num_pages, page_size, 2*KVH, D]. Returns hidden [T, E], new cache.
-        (Sharded serving passes per-shard versions of attention_fn and kv_write_fn.)"""
+        (Sharded serving passes per-shard versions of attention_fn and kv_write_fn.) A pool in
+        another layout ([L, num_pages, ...]) passes through to those functions as it is, with
+        `page_size` given."""
         cfg = self.cfg
-        L, num_pages, page_size = kv_cache.shape[:3]
+        L, num_pages = kv_cache.shape[:2]
+        page_size = kv_cache.shape[2] if page_size is None else page_size
         T = tokens.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq = self.inv_freq[...]

@@ -32,8 +32,13 @@ def ragged_paged_attention_pallas(
     block_q: int | None = None,
     block_kv: int | None = None,
     split_tokens: int | None = None,
+    pool_page_size: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention through Pallas. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
+
+    kv_pages: [N, page, 2*KVH, D], or lane-dense [N, page * 2*KVH*D/128, 128] with
+    `pool_page_size` (what the TPU kernel reads without a relayout; other platforms view it back
+    as pages, a free reshape there).
 
     Block sizes are optional: TPU uses block_q (query tokens per grid step) and pages_per_block;
     GPU/CPU use block_q (prefill query rows = tokens x heads of one GQA group, per program),
@@ -44,7 +49,13 @@ def ragged_paged_attention_pallas(
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     platform = jax.default_backend()
     if platform == "tpu":
-        return ragged_paged_attention_tpu(*args, **kw, block_q=block_q, pages_per_block=pages_per_block)
+        return ragged_paged_attention_tpu(*args, **kw, block_q=block_q, pages_per_block=pages_per_block,
+                                          pool_page_size=pool_page_size)
+    if pool_page_size is not None:
+        head_dim = q.shape[2]
+        n, rows, lanes = kv_pages.shape
+        args = (q, kv_pages.reshape(n, pool_page_size, rows * lanes // (pool_page_size * head_dim), head_dim),
+                *args[2:])
     gpu_kw = {}
     if block_q is not None:
         gpu_kw["block_q"] = block_q
