@@ -157,7 +157,13 @@ def gpu_interp(*a, **kw):
     return ragged_paged_attention_gpu(*a, **kw, interpret=True, block_q=16, block_kv=16, split_tokens=32)
 
 
-KERNELS = {"tpu": tpu_interp, "gpu": gpu_interp}
+def tpu_cross_step_interp(*a, **kw):
+    """With the next grid step's first KV block started during this step's last (v5e / v6e)."""
+    return ragged_paged_attention_tpu(*a, **kw, interpret=True, block_q=8, pages_per_block=2,
+                                      cross_step_prefetch=True)
+
+
+KERNELS = {"tpu": tpu_interp, "tpu_cross_step": tpu_cross_step_interp, "gpu": gpu_interp}
 
 
 @pytest.mark.parametrize("case", CASES + [BF16_CASE], ids=lambda c: c.name)

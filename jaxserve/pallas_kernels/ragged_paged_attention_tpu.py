@@ -24,7 +24,7 @@ Design
     does not care about column order as long as the masks follow it.
   * Queries regrouped outside the kernel to ``[kv_heads, tokens * group, 128*]``: row
     ``t * group + g`` is query head ``h * group + g`` of token t, so one MXU matmul serves a GQA group.
-  * Grid ``(query blocks,)``, "parallel". A query block of ``block_q`` tokens may hold the tail of
+  * Grid ``(query blocks,)``, "parallel" (or "arbitrary", below). A query block of ``block_q`` tokens may hold the tail of
     one sequence, several decodes and the head of another: the kernel walks the sequences that
     intersect the block, and for each the KV blocks its rows can see (causal upper bound,
     sliding-window lower bound), with an online softmax in VMEM scratch.
@@ -35,6 +35,11 @@ Design
     ``pages_per_block`` page DMAs into one of two VMEM buffers; block i+1 (possibly the next
     sequence's first) is in flight while block i is computed. Pages no row needs are not fetched,
     and stale VMEM they leave is zeroed/masked so that garbage (even NaN) cannot leak.
+  * Across grid steps (a device of one TensorCore: v5e, v6e, v4 as jax's topology presents it):
+    the last KV block of a query block starts the DMA of the next query block's first KV block,
+    whose step then finds it in flight (its buffer slot kept in SMEM scratch). That needs the
+    grid to run in order ("arbitrary"); a megacore device (two TensorCores as one: v5p here)
+    keeps "parallel", which splits the grid over its cores, and prefetches within a step only.
   * Limits are checked before Mosaic runs (``check_tpu_limits``): scalar memory for the page
     table, VMEM for the blocks (the scoped VMEM limit is raised from the estimate, up to the
     chip's capacity), page-slab tiling. A violation raises ValueError naming the setting.
@@ -109,6 +114,17 @@ def _chip_memory() -> tuple[int, int]:
         return int(info.vmem_capacity_bytes), int(info.smem_capacity_bytes)
     except Exception:  # older/newer jax, or not a TPU: conservative v4-class numbers
         return _FALLBACK_VMEM, _SMEM_BYTES
+
+
+def _one_core_per_chip() -> bool:
+    """The device runs a kernel's grid on one TensorCore, not split over two (megacore mode,
+    jax's `num_cores > 1`): only then may grid steps hand work to each other (cross-step prefetch)."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+
+        return int(tpu_info.get_tpu_info().num_cores) == 1
+    except Exception:  # unknown chip or jax: the safe answer
+        return False
 
 
 def default_block_sizes(page_size: int, interpret: bool = False) -> tuple[int, int]:
@@ -357,6 +373,7 @@ def _kernel(
     # scratch
     kv_buf,  # VMEM [2, pages_per_blk * page_size * W, 128]
     sems,  # DMA semaphores [2]
+    pf_ref,  # SMEM int32 [1]: the slot a previous grid step prefetched this step's first block into, or -1
     m_ref,  # VMEM f32 [KVH, R, 128] running max, lane-replicated
     l_ref,  # VMEM f32 [KVH, R, 128] running denominator
     acc_ref,  # VMEM f32 [KVH, R, Lq] running numerator
@@ -373,6 +390,7 @@ def _kernel(
     narrow_rows: int,
     row_tile: int,
     kv_split: str,
+    cross_step: bool,
 ):
     kv_heads, rows, lanes_q = q_ref.shape
     page_rows = kv_hbm_ref.shape[1]
@@ -383,19 +401,21 @@ def _kernel(
     tok_lo = q_blk * tokens_per_blk
     tok_hi = tok_lo + tokens_per_blk
     num_seqs = jnp.minimum(num_seqs_ref[0], max_seqs)
+    num_q_blks = pl.num_programs(0)
     f32_inputs = jnp.dtype(q_ref.dtype) == jnp.float32
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def seq_live(seq):
+    def seq_live(seq, tok_hi=tok_hi):
         """Sequence `seq` is real and starts before this query block ends."""
         seq_c = jnp.minimum(seq, max_seqs - 1)
         return (seq < num_seqs) & (cu_q_lens_ref[seq_c] < tok_hi)
 
-    def seq_span(seq):
-        """KV range [kv_lo, kv_hi) that the rows of `seq` inside this query block attend to."""
+    def seq_span(seq, tok_lo=tok_lo, tok_hi=tok_hi):
+        """KV range [kv_lo, kv_hi) that the rows of `seq` inside the query block [tok_lo, tok_hi)
+        attend to (this grid step's block unless told otherwise)."""
         seq_c = jnp.minimum(seq, max_seqs - 1)
         q_start = cu_q_lens_ref[seq_c]
         q_end = cu_q_lens_ref[seq_c + 1]
@@ -527,6 +547,12 @@ def _kernel(
         nxt = seq + 1
         nxt_span = seq_span(nxt)
         prefetch_next = seq_live(nxt) & (nxt_span["blk_hi"] > nxt_span["blk_lo"])
+        if cross_step:  # the next grid step's first block, computed as that step will compute it
+            step_seq = first_seq_ref[jnp.minimum(q_blk + 1, num_q_blks - 1)]
+            step_lo, step_hi = tok_lo + tokens_per_blk, tok_hi + tokens_per_blk
+            step_span = seq_span(step_seq, step_lo, step_hi)
+            prefetch_step = ((q_blk + 1 < num_q_blks) & jnp.logical_not(seq_live(nxt))
+                             & seq_live(step_seq, step_hi) & (step_span["blk_hi"] > step_span["blk_lo"]))
 
         def kv_body(blk, slot):
             last = blk + 1 == span["blk_hi"]
@@ -539,6 +565,12 @@ def _kernel(
             def _():  # keep the DMA engine busy across the sequence boundary
                 start_block(nxt_span, nxt_span["blk_lo"], 1 - slot)
 
+            if cross_step:
+                @pl.when(last & prefetch_step)
+                def _():  # ... and across the grid step boundary
+                    start_block(step_span, step_span["blk_lo"], 1 - slot)
+                    pf_ref[0] = 1 - slot
+
             wait_block(span, blk, slot)
             compute(span, blk, slot)
             return 1 - slot
@@ -547,7 +579,13 @@ def _kernel(
         pending = (has_blocks & prefetch_next).astype(jnp.int32)
         return nxt, slot, pending
 
-    lax.while_loop(seq_cond, seq_body, (first_seq_ref[q_blk], jnp.int32(0), jnp.int32(0)))
+    slot0, pending0 = jnp.int32(0), jnp.int32(0)
+    if cross_step:  # a block the previous step started for this one (pf_ref is garbage at step 0)
+        prefetched = (q_blk > 0) & (pf_ref[0] >= 0)
+        slot0 = jnp.where(prefetched, pf_ref[0], 0)
+        pending0 = prefetched.astype(jnp.int32)
+        pf_ref[0] = -1
+    lax.while_loop(seq_cond, seq_body, (first_seq_ref[q_blk], slot0, pending0))
 
     for h in range(kv_heads):
         l = jnp.max(l_ref[h], axis=1, keepdims=True)
@@ -576,7 +614,7 @@ def pool_as_slabs(kv_pages: jax.Array) -> jax.Array:
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block",
-                     "vmem_limit_bytes", "kv_split", "interpret", "pool_page_size"),
+                     "vmem_limit_bytes", "kv_split", "interpret", "pool_page_size", "cross_step_prefetch"),
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,
@@ -595,6 +633,7 @@ def ragged_paged_attention_tpu(
     kv_split: str | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     pool_page_size: int | None = None,
+    cross_step_prefetch: bool | None = None,
 ) -> jax.Array:
     """Ragged paged attention on TPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
 
@@ -607,6 +646,8 @@ def ragged_paged_attention_tpu(
       "emulated" (the same arithmetic on loaded values; what the TPU interpreter runs, the default
       in interpret mode). "indexed" is accepted as an old name of "emulated".
     interpret: True or a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU).
+    cross_step_prefetch: start the next grid step's first KV block during this step's last one
+      (the grid then runs in order). None: on single-TensorCore devices, off in interpret mode.
     """
     num_tokens, num_heads, head_dim = q.shape
     if kv_pages.ndim == 4:
@@ -628,6 +669,8 @@ def ragged_paged_attention_tpu(
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     kv_split = {"indexed": "emulated"}.get(kv_split, kv_split) or ("emulated" if interpret else "strided")
+    if cross_step_prefetch is None:
+        cross_step_prefetch = not interpret and _one_core_per_chip()
     if kv_split not in ("strided", "emulated"):
         raise ValueError(f"kv_split must be 'strided' or 'emulated', got {kv_split!r}")
     if kv_split == "emulated" and not interpret and kv_pages.dtype.itemsize != 4:
@@ -659,7 +702,7 @@ def ragged_paged_attention_tpu(
         soft_cap=None if soft_cap is None else float(soft_cap), group=group, max_seqs=max_seqs,
         pages_per_seq=pages_per_seq, pages_per_blk=plan.pages_per_block, page_size=page_size,
         head_dim=head_dim, narrow_rows=plan.narrow_rows, row_tile=_sublane_tile(q.dtype),
-        kv_split=kv_split)
+        kv_split=kv_split, cross_step=cross_step_prefetch)
     if interpret is True:
         interpret = pltpu.InterpretParams()
     kv_rows = plan.pages_per_block * page_size * plan.rows_per_token
@@ -673,6 +716,7 @@ def ragged_paged_attention_tpu(
             scratch_shapes=[
                 pltpu.VMEM((2, kv_rows, _LANES), kv_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((1,), jnp.int32),
                 pltpu.VMEM((kv_heads, rows, _LANES), jnp.float32),
                 pltpu.VMEM((kv_heads, rows, _LANES), jnp.float32),
                 pltpu.VMEM((kv_heads, rows, lanes_q), jnp.float32),
@@ -680,7 +724,8 @@ def ragged_paged_attention_tpu(
         ),
         out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
         compiler_params=_CompilerParams(
-            dimension_semantics=("parallel",), vmem_limit_bytes=None if interpret else plan.vmem_limit_bytes),
+            dimension_semantics=("arbitrary" if cross_step_prefetch else "parallel",),
+            vmem_limit_bytes=None if interpret else plan.vmem_limit_bytes),
         interpret=interpret or False,
         name="ragged_paged_attention_tpu",
     )(kv_lens, tables, cu_q_lens, num_seqs, first_seq, q_grouped, slabs)
