@@ -91,6 +91,7 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 SLOW_FIXTURES = {
     "server",            # test_server.py: the default model behind both front ends
     "srv",               # test_server_robust.py: a server process
+    "srv_wide",          # test_server_robust.py: another, for hundreds of concurrent streams
     "hf_default_model",  # transformers dequantizing the default GGUF, f32 forward passes
     "llm_default",       # test_engine.py: the default model in process
     "engines",           # test_prefix_cache.py: two default-model engines
@@ -100,6 +101,8 @@ SLOW_FIXTURES = {
 SLOW_TESTS = {  # each starts its own server or worker processes
     "test_api_key_and_tls", "test_biases_and_sliding_window_on_a_mesh", "test_server_refuses_a_mesh",
     "test_processes_started_with_different_settings", "test_expert_parallel_meshes_match_1x1",
+    "test_sigterm_",  # test_server_robust.py: each SIGTERM test starts (and signals) a server of its own
+    "test_preemptions_are_counted",
 }
 
 

@@ -103,12 +103,23 @@ def srv(tiny_model, xla_cache):
     server["proc"].wait()
 
 
+@pytest.fixture(scope="module")
+def srv_wide(tiny_model, xla_cache):
+    """The same server with room for 512 waiting requests: for hundreds of concurrent streams
+    (the shared one keeps --max-waiting 48, which the flood test relies on)."""
+    server = start_server(tiny_model, xla_cache, "--grace-period", "5", "--max-waiting", "512")
+    yield server
+    server["proc"].kill()
+    server["proc"].wait()
+
+
 @pytest.fixture(autouse=True)
 def pages_consistent_after(request):
-    """After every scenario on the shared server: invariants hold, every page free or cached."""
+    """After every scenario on a shared server: invariants hold, every page free or cached."""
     yield
-    if "srv" in request.fixturenames:
-        assert_idle_and_consistent(request.getfixturevalue("srv"), timeout=30)
+    for name in ("srv", "srv_wide"):
+        if name in request.fixturenames:
+            assert_idle_and_consistent(request.getfixturevalue(name), timeout=30)
 
 
 def request(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,
@@ -165,7 +176,9 @@ def assert_idle_and_consistent(srv: dict, timeout: float = 15) -> dict:
         time.sleep(0.1)
 
 
-def metric(srv: dict, name: str, labels: dict | None = None) -> float:
+def metric(srv: dict, name: str, labels: dict | None = None, default: float | None = None) -> float:
+    """A sample's value (summed over the labels not given); `default` for a labelled counter not
+    incremented yet, which has no sample."""
     from prometheus_client.parser import text_string_to_metric_families
 
     _, _, text = request("GET", srv["base"] + "/metrics")
@@ -175,46 +188,103 @@ def metric(srv: dict, name: str, labels: dict | None = None) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
                 total = (total or 0.0) + s.value
     if total is None:
+        if default is not None:
+            return default
         raise KeyError(name)
     return total
 
 
 LONG = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+# Victims of a scenario: 120 tokens take ~1 s of steps here (a 4-token prompt, 8 sequences a
+# step), several times what the scenario's cancels or poison requests take.
+VICTIM_TOKENS = 120
+VICTIM = dict(max_tokens=VICTIM_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def grpc_tracked(client: Client, prompt: str, track: dict, timeout: float = 60, **kw) -> None:
+    """Consume a gRPC stream into `track`: tokens so far, finish reason, error, when it ended."""
+    track.update(tokens=0, ids=[], finish=None, error=None, request_id=None, done_at=None)
+    try:
+        for m in client.stream(prompt, timeout=timeout, **kw):
+            track["ids"] += list(m.token_ids)
+            track["tokens"] += len(m.token_ids)
+            track["request_id"] = m.request_id
+            track["finish"] = m.finish_reason or track["finish"]
+    except grpc.RpcError as e:
+        track["error"] = e.code()
+    track["done_at"] = time.time()
+
+
+def sse_tracked(port: int, path: str, body: dict, track: dict, timeout: float = 60) -> None:
+    """Consume an SSE stream (token ids on) into `track`, as grpc_tracked does."""
+    track.update(tokens=0, ids=[], finish=None, error=None, status=None, events=[], done_at=None)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        conn.request("POST", path, json.dumps({**body, "stream": True, "return_token_ids": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        track["status"] = resp.status
+        for line in resp:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].decode().strip()
+            event = data if data == "[DONE]" else json.loads(data)
+            track["events"].append(event)
+            for ch in event.get("choices", []) if isinstance(event, dict) else []:
+                track["ids"] += ch.get("token_ids") or []
+                track["tokens"] += len(ch.get("token_ids") or [])
+                track["finish"] = ch.get("finish_reason") or track["finish"]
+        conn.close()
+    except OSError as e:
+        track["error"] = repr(e)
+    track["done_at"] = time.time()
+
+
+def wait_for(cond, timeout: float, what: str, detail=lambda: "") -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what} {detail()}"
+        time.sleep(0.01)
 
 
 # ---- defect 1: ids are labels; cancelling one request never touches another ------------------
 def test_cancelling_job_cmpl_req_leaves_other_clients_running(srv):
+    """The old abort matched id prefixes: cancelling "job" aborted another client's "job-1",
+    "cmpl" every HTTP completion, "req" every anonymous gRPC request, and dropped their streams
+    without a final message. The victims must be running when the cancels land (checked)."""
     client = Client(srv["grpc"])
-    victims = {}
-
-    def collect(name: str, **kw) -> None:
-        try:
-            msgs = list(client.stream("Once upon a time", timeout=120, **LONG, **kw))
-            victims[name] = (msgs[-1].finish_reason, sum(len(m.token_ids) for m in msgs), msgs[-1].request_id)
-        except grpc.RpcError as e:
-            victims[name] = (e.code(), 0, None)
-
-    http_result = {}
-
-    def http_stream() -> None:
-        http_result["events"] = sse(srv, "/v1/completions", {"prompt": "Once upon a time", **LONG})[1]
-
-    threads = [threading.Thread(target=collect, args=("job-1",), kwargs={"request_id": "job-1"}),
-               threading.Thread(target=collect, args=("anonymous",)),
-               threading.Thread(target=http_stream)]
+    victims = {"job-1": {}, "anonymous": {}, "http": {}}
+    threads = [threading.Thread(target=grpc_tracked, args=(client, "Once upon a time", victims["job-1"]),
+                                kwargs=dict(request_id="job-1", timeout=30, **VICTIM)),
+               threading.Thread(target=grpc_tracked, args=(client, "Once upon a time", victims["anonymous"]),
+                                kwargs=dict(timeout=30, **VICTIM)),
+               threading.Thread(target=sse_tracked, args=(srv["http_port"], "/v1/completions",
+                                                          {"prompt": "Once upon a time", **VICTIM}, victims["http"]),
+                                kwargs=dict(timeout=30))]
     for t in threads:
         t.start()
-    time.sleep(0.5)
-    for rid in ("job", "cmpl", "req", "s0", "s1"):  # prefixes of the others' ids, client and server side
-        stream = client.stream("Once upon a time", request_id=rid, **LONG)
+    wait_for(lambda: all(v.get("tokens") for v in victims.values()), 60, "every victim's first token")
+
+    def cancel(rid: str) -> None:
+        stream = client.stream("Once upon a time", request_id=rid, timeout=30, **VICTIM)
         next(stream)
         stream.cancel()
+
+    # Prefixes of the others' ids, client and server side; at once, so they land while the victims run.
+    cancels = [threading.Thread(target=cancel, args=(rid,)) for rid in ("job", "cmpl", "req", "s0", "s1")]
+    for t in cancels:
+        t.start()
+    for t in cancels:
+        t.join(60)
+    seen = {k: (v["tokens"], v["finish"]) for k, v in victims.items()}
+    assert all(fin is None and 0 < n < VICTIM_TOKENS for n, fin in seen.values()), \
+        f"a victim was not running when the cancels landed: {seen}"
     for t in threads:
-        t.join(120)
-    assert victims["job-1"] == ("length", 40, "job-1")
-    assert victims["anonymous"][:2] == ("length", 40)
-    events = http_result["events"]
-    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        t.join(60)
+    for name, v in victims.items():
+        assert v["error"] is None and v["finish"] == "length" and v["tokens"] == VICTIM_TOKENS, (name, v)
+    assert victims["job-1"]["request_id"] == "job-1"
+    assert victims["http"]["status"] == 200 and victims["http"]["events"][-1] == "[DONE]"
     client.close()
     assert_idle_and_consistent(srv)
 
@@ -244,21 +314,22 @@ POISON_HTTP = [({"top_k": 1099511627776, "temperature": 1}, "top_k"),
 
 
 def test_poison_values_in_a_running_batch_get_400_others_finish(srv):
+    """The old engine raised OverflowError in the step for a top_k / stop token id past int32 and
+    failed every running request. Six victims (3 gRPC, 3 HTTP) must be running when the poison
+    arrives (checked) and finish in full."""
     client = Client(srv["grpc"])
-    results = {}
+    victims = {i: {} for i in range(6)}
 
     def run(i: int) -> None:
         if i % 2:
-            msgs = list(client.stream(f"Story {i}:", timeout=120, **LONG))
-            results[i] = (msgs[-1].finish_reason, sum(len(m.token_ids) for m in msgs))
+            grpc_tracked(client, f"Story {i}:", victims[i], **VICTIM)
         else:
-            events = sse(srv, "/v1/completions", {"prompt": f"Story {i}:", **LONG})[1]
-            results[i] = (events[-2]["choices"][0]["finish_reason"], events[-1])
+            sse_tracked(srv["http_port"], "/v1/completions", {"prompt": f"Story {i}:", **VICTIM}, victims[i])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    wait_for(lambda: all(v.get("tokens") for v in victims.values()), 60, "every victim's first token")
     for values, field in POISON_HTTP:
         body = json.dumps({"prompt": "x", "max_tokens": 4, **values}).replace("Infinity", "1e400").encode()
         status, _, raw = request("POST", srv["base"] + "/v1/completions", body)
@@ -274,10 +345,15 @@ def test_poison_values_in_a_running_batch_get_400_others_finish(srv):
             if isinstance(e, ValueError):  # top_k 2**31 does not fit the proto's int32: refused client-side
                 continue
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.details(), (sampling, e.details())
+    seen = {i: (v["tokens"], v["finish"]) for i, v in victims.items()}
+    assert all(fin is None and 0 < n < VICTIM_TOKENS for n, fin in seen.values()), \
+        f"a victim was not running while the poison arrived: {seen}"
     for t in threads:
-        t.join(120)
-    assert all(r[0] == "length" for r in results.values()) and len(results) == 6, results
-    assert all(r[1] in (40, "[DONE]") for r in results.values()), results
+        t.join(60)
+    for i, v in victims.items():
+        assert v["error"] is None and v["finish"] == "length" and v["tokens"] == VICTIM_TOKENS, (i, v)
+        if i % 2 == 0:
+            assert v["status"] == 200 and v["events"][-1] == "[DONE]", v
     client.close()
     assert_idle_and_consistent(srv)
 
@@ -525,8 +601,9 @@ def test_echo_without_logprobs_prepends_the_prompt(srv):
 
 
 def test_echo_logprobs_in_lm_eval_shape(srv):
-    """lm-eval local-completions log-likelihood requests: echo, logprobs 1, max_tokens 1, token ids.
-    NEEDS the engine side of issue 15 (RequestOutput.prompt_logprobs): fails until it lands."""
+    """lm-eval local-completions log-likelihood requests: echo, logprobs 1, max_tokens 1, token ids:
+    one logprob per prompt token (None for the first), with its top alternatives and text offsets.
+    The old server accepted echo + logprobs and ignored them (every choice scored 0)."""
     ids = [504, 3575, 282, 4649, 314]
     status, r = post(srv, "/v1/completions", {"prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1,
                                               "echo": True, "seed": 1234})
@@ -542,22 +619,29 @@ def test_echo_logprobs_in_lm_eval_shape(srv):
 
 # ---- defect 10: metrics ----------------------------------------------------------------------
 def test_refused_requests_are_not_successes_and_usage_returns_to_idle(srv):
-    before = metric(srv, "jaxserve:request_success_total")
+    before = metric(srv, "jaxserve:request_success_total", default=0.0)
     e2e = metric(srv, "jaxserve:e2e_request_latency_seconds_count")
     for _ in range(3):
         assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 0})[0] == 400
         assert post(srv, "/v1/completions", {"prompt": [1] * 500, "max_tokens": 4})[0] == 400  # too long
-    assert metric(srv, "jaxserve:request_success_total") == before
+    assert metric(srv, "jaxserve:request_success_total", default=0.0) == before
     assert metric(srv, "jaxserve:e2e_request_latency_seconds_count") == e2e
     assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
     assert metric(srv, "jaxserve:request_success_total") == before + 1
     assert_idle_and_consistent(srv)
     assert metric(srv, "jaxserve:kv_cache_usage_perc") == 0.0  # cached pages are reclaimable, not used
-    assert metric(srv, "jaxserve:num_preemptions_total") >= 0
+    # This server cannot preempt (95 pages, 8 sequences of at most 8 pages): the counter exists and
+    # counts nothing else. test_preemptions_are_counted_... forces some on a server of its own.
+    assert metric(srv, "jaxserve:num_preemptions_total") == 0.0
     assert 'GET /metrics" 200' in srv["log"].read_text()  # one access-log line per request
 
 
 def test_flood_gets_429_with_retry_after(srv):
+    """80 at once against --max-waiting 48: clean 429s with Retry-After. A 429 is no finished
+    request and no latency (the old server counted each as request_success{abort} and in e2e)."""
+    success = metric(srv, "jaxserve:request_success_total", default=0.0)
+    aborts = metric(srv, "jaxserve:request_success_total", {"finish_reason": "abort"}, default=0.0)
+    e2e = metric(srv, "jaxserve:e2e_request_latency_seconds_count")
     codes, headers = [], []
 
     def one(i: int) -> None:
@@ -575,43 +659,219 @@ def test_flood_gets_429_with_retry_after(srv):
     assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
     assert headers and all(h is not None and int(h) >= 1 for h in headers)
     assert_idle_and_consistent(srv, timeout=60)
+    served = codes.count(200)
+    assert metric(srv, "jaxserve:request_success_total") - success == served, (served, codes.count(429))
+    assert metric(srv, "jaxserve:request_success_total", {"finish_reason": "abort"}, default=0.0) == aborts
+    assert metric(srv, "jaxserve:e2e_request_latency_seconds_count") - e2e == served
+
+
+def test_preemptions_are_counted_and_greedy_outputs_survive_them(tiny_model, xla_cache):
+    """--num-pages 12 (11 usable, 7 per 100-token request): 8 at once must preempt. The counter
+    goes up by what the scheduler did, and every output equals the same request run alone."""
+    server = start_server(tiny_model, xla_cache, "--num-pages", "12")
+    proc = server["proc"]
+    try:
+        body = {"max_tokens": 100, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        alone = {}
+        for i in range(8):
+            status, r = post(server, "/v1/completions", {"prompt": f"Tale {i}:", **body})
+            assert status == 200, r
+            alone[i] = r["choices"][0]["token_ids"]
+        assert metric(server, "jaxserve:num_preemptions_total") == 0.0  # one at a time fits
+        together = {}
+
+        def one(i: int) -> None:
+            together[i] = post(server, "/v1/completions", {"prompt": f"Tale {i}:", **body})
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i in range(8):
+            status, r = together[i]
+            assert status == 200 and r["choices"][0]["token_ids"] == alone[i], (i, r)
+        first = metric(server, "jaxserve:num_preemptions_total")
+        assert first > 0
+        assert metric(server, "jaxserve:num_preemptions_total") == first  # a scrape counts nothing twice
+        assert_idle_and_consistent(server)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---- what worked and must stay so: load, a slow reader, a disconnect storm --------------------
+def greedy_ids(server: dict, prompt: str, max_tokens: int) -> list[int]:
+    status, r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, r
+    return r["choices"][0]["token_ids"]
+
+
+def test_256_concurrent_streams_complete_with_their_tokens(srv_wide):
+    """128 HTTP SSE + 128 gRPC streams at once (8 run, the rest wait): every one ends with its full
+    greedy output, the same as its prompt alone."""
+    N, TOKENS = 128, 16
+    prompts = [f"Tale {k}:" for k in range(4)]
+    alone = {p: greedy_ids(srv_wide, p, TOKENS) for p in prompts}
+    client = Client(srv_wide["grpc"])
+    tracks = {(kind, i): {} for kind in ("http", "grpc") for i in range(N)}
+    params = dict(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+    def one(kind: str, i: int) -> None:
+        prompt = prompts[i % len(prompts)]
+        if kind == "grpc":
+            grpc_tracked(client, prompt, tracks[(kind, i)], timeout=120, **params)
+        else:
+            sse_tracked(srv_wide["http_port"], "/v1/completions", {"prompt": prompt, **params}, tracks[(kind, i)],
+                        timeout=120)
+
+    threads = [threading.Thread(target=one, args=key) for key in tracks]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    elapsed = time.time() - t0
+    for (kind, i), tr in tracks.items():
+        assert tr.get("done_at") and tr["error"] is None and tr["finish"] == "length", (kind, i, tr)
+        assert tr["ids"] == alone[prompts[i % len(prompts)]], (kind, i)
+        if kind == "http":
+            assert tr["status"] == 200 and tr["events"][-1] == "[DONE]"
+    assert elapsed < 120, elapsed  # ~3 s here: 4,096 tokens, 8 a step
+    client.close()
+
+
+def test_a_slow_reader_blocks_nothing_and_its_pages_are_freed_when_it_goes(srv):
+    """A client that sends a big streaming request and never reads (an 8 KB receive window for
+    ~200 KB of SSE): other streams run at their pace beside it (against a baseline taken in this
+    test), and when it closes the connection its request is aborted and its pages freed. (On
+    loopback the server's socket buffer takes up to 4 MB, more than a request on this 128-token
+    model can produce, so the bytes wait there rather than in uvicorn's flow control.)"""
+    body = {"prompt": "Once upon a time", "max_tokens": VICTIM_TOKENS, "temperature": 0, "ignore_eos": True}
+    big = json.dumps({**body, "stream": True, "n": 4, "logprobs": 5})  # 4 x 120 chunks of ~450 bytes
+
+    def others() -> float:
+        tracks = [{} for _ in range(4)]
+        threads = [threading.Thread(target=sse_tracked, args=(srv["http_port"], "/v1/completions",
+                                                              {**body, "prompt": f"Tale {i}:", "max_tokens": 24},
+                                                              tracks[i])) for i in range(4)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for tr in tracks:
+            assert tr["error"] is None and tr["finish"] == "length" and tr["tokens"] == 24, tr
+        return time.time() - t0
+
+    def slow_reader() -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+        sock.connect(("127.0.0.1", srv["http_port"]))
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(big)}\r\n\r\n{big}").encode())
+        wait_for(lambda: pages(srv)["running"] >= 4, 60, "the slow reader's 4 sequences running",
+                 lambda: pages(srv))
+        return sock
+
+    baseline = others()
+    slow = slow_reader()
+    try:
+        with_slow = others()
+        assert with_slow < 3 * baseline + 2.0, (with_slow, baseline)
+    finally:
+        slow.close()
+    assert_idle_and_consistent(srv, timeout=5)
+    # Gone while its request surely runs (4 x 120 tokens, closed at its start): aborted at once.
+    tokens = metric(srv, "jaxserve:generation_tokens_total")
+    slow = slow_reader()
+    slow.close()
+    gone = time.time()
+    assert_idle_and_consistent(srv, timeout=5)
+    assert time.time() - gone < 5
+    assert metric(srv, "jaxserve:generation_tokens_total") - tokens < 4 * VICTIM_TOKENS / 2
+
+
+def test_disconnect_storm_frees_everything_and_leaves_the_rest_intact(srv_wide):
+    """64 HTTP streams at once (8 run, the rest wait); 32 of them go as soon as they have a token
+    (each would run 120 tokens). Those are aborted within moments of going, the other 32 finish
+    with the greedy output of their prompt alone, and the pool is idle and consistent after."""
+    SURVIVOR_TOKENS = 24
+    prompts = [f"Tale {k}:" for k in range(4)]
+    alone = {p: greedy_ids(srv_wide, p, SURVIVOR_TOKENS) for p in prompts}
+    survivors = {i: {} for i in range(32)}
+    closed_at: dict[int, float] = {}
+    tokens = metric(srv_wide, "jaxserve:generation_tokens_total", default=0.0)
+
+    def doomed(i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", srv_wide["http_port"], timeout=60)
+        conn.request("POST", "/v1/completions",
+                     json.dumps({"prompt": prompts[i % 4], "max_tokens": VICTIM_TOKENS, "temperature": 0,
+                                 "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        for line in resp:
+            if line.startswith(b"data: "):
+                break  # the first token: gone mid-stream
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        closed_at[i] = time.time()
+
+    def survivor(i: int) -> None:
+        sse_tracked(srv_wide["http_port"], "/v1/completions",
+                    {"prompt": prompts[i % 4], "max_tokens": SURVIVOR_TOKENS, "temperature": 0, "ignore_eos": True},
+                    survivors[i])
+
+    threads = [threading.Thread(target=f, args=(i,)) for i in range(32) for f in (doomed, survivor)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(closed_at) == 32
+    last_close = max(closed_at.values())
+    # Gone means aborted: 32 x 120 tokens would take seconds more; idle within 3 s of the last one.
+    assert_idle_and_consistent(srv_wide, timeout=max(0.0, last_close + 3 - time.time()) + 0.5)
+    for i, tr in survivors.items():
+        assert tr["error"] is None and tr["finish"] == "length" and tr["events"][-1] == "[DONE]", (i, tr)
+        assert tr["ids"] == alone[prompts[i % 4]], i
+    # Nor were the gone ones run on unseen: far fewer tokens than 32 x 120 more were made.
+    made = metric(srv_wide, "jaxserve:generation_tokens_total") - tokens
+    assert made < 32 * SURVIVOR_TOKENS + 32 * VICTIM_TOKENS / 4, made
 
 
 # ---- defect 2: SIGTERM drains both front ends ------------------------------------------------
 def test_sigterm_drains_http_and_grpc_then_exits_zero(tiny_model, xla_cache):
-    server = start_server(tiny_model, xla_cache, "--grace-period", "60")
+    """16 HTTP + 16 gRPC streams in flight at SIGTERM, --grace-period 60: every one gets its full
+    output. Two sequences a step and 240 tokens each: the drain lasts well past 5 s (checked),
+    where uvicorn's own SIGTERM handling used to cut every HTTP stream off."""
+    LEN = 240
+    server = start_server(tiny_model, xla_cache, "--grace-period", "60", "--max-num-seqs", "2",
+                          "--max-model-len", "256")
     proc = server["proc"]
     try:
         client = Client(server["grpc"])
-        results: dict[str, tuple] = {}
-        LEN = 48  # 32 x 48 tokens, 8 sequences at a time: the drain lasts seconds
+        results: dict[str, dict] = {}
 
         def grpc_one(i: int) -> None:
-            try:
-                stream = client.stream(f"Tale {i}:", timeout=120, max_tokens=LEN, temperature=0.0, ignore_eos=True)
-                msgs = list(stream)
-                results[f"g{i}"] = ("done", msgs[-1].finish_reason, sum(len(m.token_ids) for m in msgs))
-            except grpc.RpcError as e:
-                results[f"g{i}"] = ("error", e.code(), e.details())
+            results[f"g{i}"] = {}
+            grpc_tracked(client, f"Tale {i}:", results[f"g{i}"], timeout=120, max_tokens=LEN, temperature=0.0,
+                         ignore_eos=True)
 
         def http_one(i: int) -> None:
-            conn = http.client.HTTPConnection("127.0.0.1", server["http_port"], timeout=120)
-            conn.request("POST", "/v1/completions", json.dumps({"prompt": f"Tale {i}:", "max_tokens": LEN,
-                                                                "temperature": 0, "ignore_eos": True, "stream": True,
-                                                                "stream_options": {"include_usage": True}}),
-                         {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            events = [ln.decode().strip()[6:] for ln in resp if ln.startswith(b"data: ")]
-            parsed = [e if e == "[DONE]" else json.loads(e) for e in events]
-            results[f"h{i}"] = (resp.status, parsed)
+            results[f"h{i}"] = {}
+            sse_tracked(server["http_port"], "/v1/completions",
+                        {"prompt": f"Tale {i}:", "max_tokens": LEN, "temperature": 0, "ignore_eos": True,
+                         "stream_options": {"include_usage": True}}, results[f"h{i}"], timeout=120)
 
         threads = [threading.Thread(target=f, args=(i,)) for i in range(16) for f in (grpc_one, http_one)]
         for t in threads:
             t.start()
         deadline = time.time() + 60
-        while pages(server)["streams"] < 32:  # all 32 in flight: 8 running, the rest queued
+        while pages(server)["streams"] < 32:  # all 32 in flight: 2 running, the rest queued
             assert time.time() < deadline, pages(server)
             time.sleep(0.05)
+        t_term = time.time()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         # Draining: readiness false and new work refused with Retry-After, on both front ends.
@@ -625,15 +885,15 @@ def test_sigterm_drains_http_and_grpc_then_exits_zero(tiny_model, xla_cache):
         for t in threads:
             t.join(120)
         assert len(results) == 32
-        for name, r in results.items():
-            if name.startswith("g"):
-                assert r == ("done", "length", LEN) or (r[0] == "error" and r[1] == grpc.StatusCode.UNAVAILABLE), r
-            else:
-                status, events = r
-                assert status == 200 and events[-1] == "[DONE]", (name, r)
-                finals = [c for e in events[:-1] if isinstance(e, dict) for c in e.get("choices", [])
-                          if c.get("finish_reason")]
-                assert (finals and finals[0]["finish_reason"] == "length") or "error" in events[-2], (name, events)
+        for name, r in results.items():  # every stream in full, none cut off, none failed
+            assert r["error"] is None and r["finish"] == "length" and r["tokens"] == LEN, (name, r)
+            if name.startswith("h"):
+                events = r["events"]
+                assert r["status"] == 200 and events[-1] == "[DONE]", (name, events[-3:])
+                assert events[-2]["usage"]["completion_tokens"] == LEN, (name, events[-2])
+        # The drain outlived uvicorn's old 5 s cut-off, HTTP streams included: not timing luck.
+        http_ends = [r["done_at"] - t_term for name, r in results.items() if name.startswith("h")]
+        assert max(http_ends) > 5.5, sorted(http_ends)
         assert proc.wait(timeout=60) == 0
         client.close()
     finally:

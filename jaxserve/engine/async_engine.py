@@ -129,7 +129,8 @@ class AsyncEngine:
 
     def check_invariants(self) -> dict[str, int]:
         """Page-pool and prefix-cache invariants, checked between steps; page counts (for tests)."""
-        with self._lock:
+        self._acquire_between_steps()
+        with _Held(self._lock):
             self.engine.check_invariants()
             e = self.engine
             cached = sum(r.prefix_cache.cached_pages() for r in e.replicas if r.prefix_cache is not None)
@@ -148,6 +149,19 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()
 
+    def _acquire_between_steps(self, counted: bool = False) -> None:
+        """Take the engine lock between two steps: the loop re-takes a plain Lock at once, so it
+        yields only while someone is counted as waiting. `counted`: the caller already counted
+        itself (under _count_lock, with other bookkeeping)."""
+        if not counted:
+            with self._count_lock:
+                self._pending_submits += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count_lock:
+                self._pending_submits -= 1
+
     # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, server_id, label, client_label, sub_ids, prompt, params, priority, loop, queue, arrival,
                 prompt_text) -> None:
@@ -156,15 +170,12 @@ class AsyncEngine:
                 if label in self._labels:
                     raise ValueError(f"request_id {label!r} is already in use")
                 self._labels[label] = server_id
-            self._pending_submits += 1
+            self._pending_submits += 1  # counted with the label, under one lock
         try:
-            self._lock.acquire()
+            self._acquire_between_steps(counted=True)
         except BaseException:
             self._release_label(label, server_id)
             raise
-        finally:
-            with self._count_lock:
-                self._pending_submits -= 1
         with _Held(self._lock):
             added = []
             try:
