@@ -38,6 +38,8 @@ PARAM_SPECS: dict[str, P] = {
     "mlp_norm": P(),
     "q_norm": P(),
     "k_norm": P(),
+    "post_attn_norm": P(),  # Gemma's norms on the attention and MLP outputs
+    "post_mlp_norm": P(),
     "wq": P(None, None, "model"),  # [L, E, H*D] column-parallel
     "wk": P(None, None, "model"),
     "wv": P(None, None, "model"),

@@ -25,23 +25,32 @@ TINY_ARCHS = {
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False)),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   use_sliding_window=False)),
+    # Gemma 3: head_dim 256, local layers 0, 1, 3, 4 (window 16, RoPE base 1e4) and global 2, 5 (1e6),
+    # a query scale that is not head_dim, final logit soft-capping. More variants: test_gemma3.py.
+    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                                        num_hidden_layers=6, sliding_window=16, sliding_window_pattern=3,
+                                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                                        query_pre_attn_scalar=48, final_logit_softcapping=3.0)),
 }
 
 
-def make_tiny_checkpoint(name: str, root: Path) -> Path:
+def make_tiny_checkpoint(name: str, root: Path, spec: tuple | None = None, **save_kwargs) -> Path:
+    """spec: (transformers config class, extra config); TINY_ARCHS[name] when not given."""
     import torch
     import transformers
 
-    cls_name, extra = TINY_ARCHS[name]
+    cls_name, extra = spec or TINY_ARCHS[name]
     cfg = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gemma = cfg.model_type.startswith("gemma")
     with torch.no_grad():  # HF initialises biases to zero, which would test nothing of them
         for pname, p in model.named_parameters():
-            if pname.endswith(".bias"):
+            # Gemma's norms scale by (1 + w) and start at w = 0: perturbed so that the offset is tested.
+            if pname.endswith(".bias") or (gemma and "norm" in pname):
                 p.normal_(0.0, 0.2)
     path = root / name
-    model.save_pretrained(path)
+    model.save_pretrained(path, **save_kwargs)
     # The tiny models carry the default model's tokenizer (ids < 256 decode fine), as a served
     # checkpoint directory would carry its own.
     from jaxserve.loading import load_tokenizer

@@ -102,7 +102,8 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(**{**d, "eos_token_ids": tuple(d["eos_token_ids"])})
+    return ModelConfig(**{**d, "eos_token_ids": tuple(d["eos_token_ids"]),
+                          "sliding_layers": tuple(d.get("sliding_layers", ()))})
 
 
 def load_tokenizer(model: str | os.PathLike | None) -> Any:

@@ -32,6 +32,13 @@ LAYER_NAMES: dict[str, tuple[str, bool]] = {
     "mlp.shared_expert.down_proj.weight": ("ws_down", True),
     "mlp.shared_expert_gate.weight": ("shared_gate", False),  # [1, E], reshaped to [E]
 }
+# Gemma's four norms per layer: post_attention_layernorm is on the attention output there, and the
+# MLP's input norm is pre_feedforward_layernorm.
+SANDWICH_NORM_NAMES: dict[str, tuple[str, bool]] = {
+    "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+}
 # Per-expert suffix (after `...experts.N.`) -> our stacked [L, X, ...] name; all are transposed.
 EXPERT_NAMES: dict[str, str] = {
     "gate_proj.weight": "we_gate", "up_proj.weight": "we_up", "down_proj.weight": "we_down",  # Qwen-MoE
@@ -59,6 +66,7 @@ class StackedParams:
         self.arrays = {n: np.empty(s, dtype) for n, s in self.shapes.items()}
         self.seen: set[tuple[str, int]] = set()
         self.seen_experts: set[tuple[str, int, int]] = set()
+        self.layer_names = {**LAYER_NAMES, **SANDWICH_NORM_NAMES} if cfg.sandwich_norms else LAYER_NAMES
 
     def _put(self, name: str, index: tuple[int, ...], value: np.ndarray, hf_name: str) -> None:
         if name not in self.shapes:
@@ -97,9 +105,9 @@ class StackedParams:
             layer, suffix = int(m.group(1)), m.group(2)
             if layer < self.cfg.num_layers and self._add_experts(layer, suffix, np.asarray(tensor), hf_name):
                 return
-            if suffix not in LAYER_NAMES or layer >= self.cfg.num_layers:
+            if suffix not in self.layer_names or layer >= self.cfg.num_layers:
                 return  # e.g. rotary_emb.inv_freq buffers: recomputed, not loaded
-            name, transpose = LAYER_NAMES[suffix]
+            name, transpose = self.layer_names[suffix]
         elif hf_name in GLOBAL_NAMES:
             name, transpose = GLOBAL_NAMES[hf_name]
             layer = -1
@@ -127,7 +135,7 @@ class StackedParams:
             if name in expert_names:
                 missing += [f"{name}[{l}][{e}]" for l in range(self.cfg.num_layers)
                             for e in range(self.cfg.num_experts) if (name, l, e) not in self.seen_experts]
-            elif len(shape) >= 1 and name in {n for n, _ in LAYER_NAMES.values()}:
+            elif len(shape) >= 1 and name in {n for n, _ in self.layer_names.values()}:
                 missing += [f"{name}[{l}]" for l in range(self.cfg.num_layers) if (name, l) not in self.seen]
             elif (name, -1) not in self.seen:
                 missing.append(name)

@@ -1,5 +1,10 @@
-"""One Llama-family decoder in Flax NNX: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3, and the
-mixture-of-experts members Qwen3-MoE, Mixtral, Qwen2-MoE (the MLP swapped for ``moe.moe_mlp``).
+"""One Llama-family decoder in Flax NNX: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3 (text),
+and the mixture-of-experts members Qwen3-MoE, Mixtral, Qwen2-MoE (the MLP swapped for ``moe.moe_mlp``).
+
+Gemma 3 is the same decoder with switches (all off for the Llama family): local sliding-window and
+global layers interleaved (``sliding_layers``, each kind with its own RoPE base), a query scale and
+logit soft-capping, (1 + weight) RMSNorms, norms after attention and after the MLP, GELU, and
+embeddings scaled by sqrt(hidden_size).
 
 Layer weights are stacked on a leading layer axis and the layers run under ``lax.scan``: one
 layer is compiled once, whatever the depth. The model knows nothing of serving: it takes token
@@ -48,6 +53,19 @@ class ModelConfig:
     router: str = "softmax_topk"  # Qwen-MoE: softmax then top-k; "topk_softmax": Mixtral's order
     norm_topk_prob: bool = True  # renormalise the chosen k probabilities to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+    # Gemma 3. sliding_layers: per layer, 1 = local (attends to the last `sliding_window` tokens,
+    # RoPE base `rope_local_theta`), 0 = global (`rope_theta`, `rope_scaling`); empty: every layer
+    # alike, windowed exactly when `sliding_window` is set (the Llama family).
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma's 1 + w
+    sandwich_norms: bool = False  # norms on the attention output and the MLP output too (Gemma)
+    hidden_act: str = "silu"  # MLP activation: "silu" or "gelu_tanh"
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the model dtype (Gemma)
 
     @property
     def is_moe(self) -> bool:
@@ -58,12 +76,27 @@ class ModelConfig:
         """Float32 KV bytes one token takes over all layers (scale by dtype size / 4)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
 
+    @property
+    def mixed_layers(self) -> bool:
+        """Local and global layers both present: each layer picks its attention at run time."""
+        return len(set(self.sliding_layers)) > 1
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies, with Llama 3.1's frequency-dependent scaling when configured."""
+    def layer_window(self, local: bool) -> int | None:
+        return self.sliding_window if local else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies, with Llama 3.1's frequency-dependent scaling when configured.
+    local: those of Gemma's local (sliding-window) layers."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = cfg.rope_scaling or {}
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling or {}
+    if local and cfg.rope_local_theta is not None:
+        theta, scaling = cfg.rope_local_theta, cfg.rope_local_scaling or {}
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "llama3":
         factor = scaling["factor"]
@@ -93,10 +126,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """offset: scale by (offset + weight), computed in float32 (Gemma's 1 + w, as HF computes it)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    w = weight.astype(jnp.float32)
+    if offset:
+        w = offset + w
+    return (xf * w).astype(x.dtype)
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -125,13 +168,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(bq=(L, qd), bk=(L, kvd), bv=(L, kvd))
     if cfg.qk_norm:
         shapes.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.sandwich_norms:
+        shapes.update(post_attn_norm=(L, E), post_mlp_norm=(L, E))
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
     return shapes
 
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
-                "bq", "bk", "bv", "q_norm", "k_norm") + MOE_LAYER_PARAMS
+                "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm") + MOE_LAYER_PARAMS
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -146,10 +191,11 @@ class LlamaForCausalLM(nnx.Module):
         self.moe_impl = "auto"
         self.expert_mesh = None
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+        self.inv_freq_local = nnx.Variable(jnp.asarray(rope_inv_freq(cfg, local=True)))
         rngs = rngs or nnx.Rngs(0)
         for name, shape in param_shapes(cfg).items():
             if name.endswith("norm"):
-                value = jnp.ones(shape, dtype)
+                value = jnp.full(shape, 1.0 - cfg.norm_offset, dtype)
             elif name.startswith("b"):
                 value = jnp.zeros(shape, dtype)
             else:
@@ -188,7 +234,13 @@ class LlamaForCausalLM(nnx.Module):
             from jaxserve.models.moe import expert_mesh_of
 
             model.expert_mesh = expert_mesh_of(params["we_gate"])
-        model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)) if inv_freq is None else inv_freq)
+        local = jnp.asarray(rope_inv_freq(cfg, local=True))
+        if inv_freq is None:
+            inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        else:  # placed as the caller placed the global frequencies (replicated over a mesh)
+            local = jax.device_put(local, inv_freq.sharding)
+        model.inv_freq = nnx.Variable(inv_freq)
+        model.inv_freq_local = nnx.Variable(local)
         return model
 
     def param_arrays(self) -> dict[str, jax.Array]:
@@ -213,44 +265,76 @@ class LlamaForCausalLM(nnx.Module):
         T = tokens.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq = self.inv_freq[...]
+        inv_freq_local = self.inv_freq_local[...]
         have = param_shapes(cfg)
         layer_params = {n: getattr(self, n)[...] for n in LAYER_PARAMS if n in have}
         # The pool is viewed flat over layers: layer l's pages are l*num_pages + page. Gathers and
         # scatters then index one array, which XLA updates in place inside the scan carry.
         pool = kv_cache.reshape(L * num_pages, *kv_cache.shape[2:])
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        act = ACTIVATIONS[cfg.hidden_act]
+        # Local/global layers (Gemma 3): a per-layer flag picks the RoPE frequencies and, through
+        # lax.cond, one of two attention calls, each with a static window: every backend unchanged.
+        # Without a mix, the one kind is static (Llama family: windowed iff sliding_window is set).
+        local_flags = jnp.asarray(cfg.sliding_layers, jnp.int32) if cfg.mixed_layers else None
+        static_local = bool(cfg.sliding_layers[0]) if cfg.sliding_layers else cfg.sliding_window is not None
+
+        def attend(local: bool):
+            def run(q, pool, k, v, l):
+                return attention_fn(
+                    q, pool, metadata.kv_lens, metadata.page_tables + l * num_pages,
+                    metadata.cu_q_lens, metadata.num_seqs, k_new=k, v_new=v,
+                    sm_scale=cfg.attention_scale, sliding_window=cfg.layer_window(local),
+                    soft_cap=cfg.attn_logit_softcap,
+                )
+            return run
 
         def layer(carry, xs):
             x, pool = carry
             p, l = xs
-            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            h = rms_norm(x, p["attn_norm"], eps, offset)
             q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
             if cfg.qk_norm:
-                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-            q = apply_rope(q, metadata.positions, inv_freq)
-            k = apply_rope(k, metadata.positions, inv_freq)
-            pool = kv_write_fn(pool, k, v, metadata.slot_mapping + l * num_pages * page_size)
-            attn = attention_fn(
-                q, pool, metadata.kv_lens, metadata.page_tables + l * num_pages,
-                metadata.cu_q_lens, metadata.num_seqs, k_new=k, v_new=v,
-                sm_scale=D ** -0.5, sliding_window=cfg.sliding_window,
-            )
-            x = x + attn.reshape(T, H * D).astype(x.dtype) @ p["wo"]
-            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            if cfg.is_moe:
-                x = x + moe_mlp(h, p, cfg, impl=self.moe_impl, mesh=self.expert_mesh).astype(x.dtype)
+                q = rms_norm(q, p["q_norm"], eps, offset)
+                k = rms_norm(k, p["k_norm"], eps, offset)
+            if local_flags is not None:
+                is_local = local_flags[l]
+                freqs = jnp.where(is_local > 0, inv_freq_local, inv_freq)
             else:
-                x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+                freqs = inv_freq_local if static_local and cfg.sliding_layers else inv_freq
+            q = apply_rope(q, metadata.positions, freqs)
+            k = apply_rope(k, metadata.positions, freqs)
+            pool = kv_write_fn(pool, k, v, metadata.slot_mapping + l * num_pages * page_size)
+            if local_flags is not None:
+                attn = jax.lax.cond(is_local > 0, attend(True), attend(False), q, pool, k, v, l)
+            else:
+                attn = attend(static_local)(q, pool, k, v, l)
+            o = attn.reshape(T, H * D).astype(x.dtype) @ p["wo"]
+            if cfg.sandwich_norms:
+                o = rms_norm(o, p["post_attn_norm"], eps, offset)
+            x = x + o
+            h = rms_norm(x, p["mlp_norm"], eps, offset)
+            if cfg.is_moe:
+                m = moe_mlp(h, p, cfg, impl=self.moe_impl, mesh=self.expert_mesh).astype(x.dtype)
+            else:
+                m = (act(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            if cfg.sandwich_norms:
+                m = rms_norm(m, p["post_mlp_norm"], eps, offset)
+            x = x + m
             return (x, pool), None
 
         x = self.embed[...][tokens].astype(self.dtype)
+        if cfg.embed_scale:  # HF casts the normaliser to the model dtype first (sqrt(3072) -> 55.5 in bf16)
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
         (x, pool), _ = jax.lax.scan(layer, (x, pool), (layer_params, jnp.arange(L, dtype=jnp.int32)))
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), pool.reshape(kv_cache.shape)
+        return rms_norm(x, self.final_norm[...], eps, offset), pool.reshape(kv_cache.shape)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V]."""
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return (hidden @ head).astype(jnp.float32)
+        logits = (hidden @ head).astype(jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -5,9 +5,12 @@ decoder is shared, only the MLP differs (``models.moe``)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from jaxserve.models.llama import ModelConfig
+
+log = logging.getLogger(__name__)
 
 # HF `architectures` entry -> features beyond plain Llama.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -21,6 +24,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Qwen-MoE: softmax over all experts, then top-k, renormalised when `norm_topk_prob`.
     "Qwen3MoeForCausalLM": {"moe": True, "qk_norm": True},
     "Qwen2MoeForCausalLM": {"moe": True, "attention_bias": True, "shared_expert": True},
+    # Gemma 3 (text): local/global layers, (1 + w) norms around attention and MLP, GELU, scaled embeddings.
+    "Gemma3ForCausalLM": {"gemma3": True, "qk_norm": True},
 }
 SLIDING_BY_DEFAULT = ("MistralForCausalLM", "MixtralForCausalLM")
 
@@ -59,8 +64,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if rope_scaling is None and params.get("rope_type", "default") != "default":
         rope_scaling = params
     moe = _moe_fields(hf, arch, features) if features.get("moe") else {}
+    gemma = _gemma3_fields(hf, arch) if features.get("gemma3") else {}
+    if gemma:
+        sliding = gemma.pop("sliding_window")
+        rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
     return ModelConfig(
         **moe,
+        **gemma,
         architecture=arch,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -73,7 +83,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", features.get("gemma3", False))),  # Gemma: tied unless said
         attention_bias=attention_bias,
         qk_norm=features.get("qk_norm", False),
         sliding_window=sliding,
@@ -103,4 +113,54 @@ def _moe_fields(hf: dict[str, Any], arch: str, features: dict[str, Any]) -> dict
         norm_topk_prob=bool(features.get("norm_topk_prob", hf.get("norm_topk_prob", False))),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
         if features.get("shared_expert") else 0,
+    )
+
+
+def _rope_pair(params: dict[str, Any] | None, theta: float | None,
+               scaling: dict[str, Any] | None) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of one layer kind from a transformers 5 `rope_parameters` entry, or from the
+    older separate keys."""
+    if params:
+        theta = params.get("rope_theta", theta)
+        scaling = params if params.get("rope_type", "default") != "default" else None
+    return float(theta), scaling
+
+
+def _gemma3_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch}: use_bidirectional_attention (an embedding model) is not supported")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{arch}: hidden_activation {hf.get('hidden_activation')!r} is not supported")
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if not kinds:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = hf.get("sliding_window_pattern") or 6
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown or len(kinds) != layers:
+        raise ValueError(f"{arch}: layer_types must name {layers} sliding_attention/full_attention layers")
+    # transformers 5: rope_parameters keyed by layer type; older: rope_theta, rope_local_base_freq,
+    # rope_scaling (global layers only).
+    rope = hf.get("rope_parameters") or {}
+    keyed = "full_attention" in rope or "sliding_attention" in rope
+    theta, scaling = _rope_pair(rope.get("full_attention") if keyed else None,
+                                hf.get("rope_theta", 1_000_000.0), hf.get("rope_scaling"))
+    local_theta, local_scaling = _rope_pair(rope.get("sliding_attention") if keyed else None,
+                                            hf.get("rope_local_base_freq", 10_000.0), None)
+    window = hf.get("sliding_window", 4096)
+    sliding = tuple(int(k == "sliding_attention") for k in kinds)
+    if window is None:
+        sliding = tuple(0 for _ in kinds)
+    softcap = lambda k: None if hf.get(k) is None else float(hf[k])  # noqa: E731
+    if hf.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma3Attention never passes it to attention (Gemma 2's does); the released
+        # Gemma 3 configs leave it null. We match transformers, the reference.
+        log.warning("%s: attn_logit_softcapping=%s is ignored, as transformers ignores it for Gemma 3",
+                    arch, hf["attn_logit_softcapping"])
+    return dict(
+        sliding_window=window, rope_theta=theta, rope_scaling=scaling,
+        sliding_layers=sliding, rope_local_theta=local_theta, rope_local_scaling=local_scaling,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),  # Gemma3TextConfig's defaults
+        final_logit_softcap=softcap("final_logit_softcapping"),
+        norm_offset=1.0, sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=True,
     )
