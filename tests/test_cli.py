@@ -1,14 +1,20 @@
 """The README's commands, run as a user runs them: make generate, the CLIs' --help, the plain pip route
-in a venv without the test extra (so without torch)."""
+in a venv without the test extra (so without torch): generate, then the server with the README's gRPC
+client and curl against it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,26 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = ROO
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     assert done.returncode == 0, f"{cmd} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} not healthy within {timeout} s")
 
 
 def assert_quiet(stderr: str) -> None:
@@ -95,7 +121,32 @@ def test_pip_route_without_the_test_extra(tmp_path):
     assert len(lines) == 1 and "Paris" in lines[0][1], done.stdout
     assert_quiet(done.stderr)
     assert list((tmp_path / "cache" / "tokenizers").iterdir())
-    print(f"pip route: install {t_install:.0f} s, generate {time.monotonic() - t0 - t_install:.0f} s")
+    t_generate = time.monotonic() - t0 - t_install
+
+    # Serving needs no torch either: the README's server, its gRPC client and its curl command.
+    grpc_port, http_port = free_port(), free_port()
+    with open(tmp_path / "serve.log", "w") as log:
+        server = subprocess.Popen(
+            [str(py), "-m", "jaxserve.serve", *SMALL.split(), "--compilation-cache-dir", str(tmp_path / "xla"),
+             "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    try:
+        wait_healthy(f"http://127.0.0.1:{http_port}/health", server, timeout=600)
+        client = run([str(py), "-m", "jaxserve.client", "--target", f"127.0.0.1:{grpc_port}", "--max-tokens", "6",
+                      "The capital of France is"], timeout=120, env=env, cwd=tmp_path).stdout
+        assert "Paris" in client and "[length;" in client, client
+        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
+        curl = run(["curl", "-s", f"127.0.0.1:{http_port}/v1/completions", "-H", "Content-Type: application/json",
+                    "-d", body], timeout=120).stdout
+        assert "Paris" in json.loads(curl)["choices"][0]["text"], curl
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert_quiet((tmp_path / "serve.log").read_text())
+    print(f"pip route: install {t_install:.0f} s, generate {t_generate:.0f} s, "
+          f"serve + client + curl {time.monotonic() - t0 - t_install - t_generate:.0f} s")
 
 
 def test_readme_commands_are_the_tested_ones():
@@ -103,4 +154,6 @@ def test_readme_commands_are_the_tested_ones():
     readme = (ROOT / "README.md").read_text()
     assert "make generate" in readme and "python -m jaxserve.serve --help" in readme
     assert "make test-fast" in readme and "pip install -e ." in readme
+    # Run by test_pip_route_without_the_test_extra, in a venv without torch:
+    assert "python -m jaxserve.client" in readme and "curl -s 127.0.0.1:8000/v1/completions" in readme
     assert shutil.which("make"), "make is needed for the README's set-up"

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Host work per engine step, with a model so small that the device side is negligible.
+
+A 1-layer random Llama (hidden 64, SmolLM2's vocabulary of 49,152 so that the LM head and the
+sampler cost what they cost in serving), written as an HF checkpoint with numpy alone. N sequences
+of 16 prompt tokens each decode M tokens; the engine is driven step by step and every step is
+split into
+  prepare  schedule + encode inputs + dispatch (until the launch returns),
+  device   waiting for the sampled ids,
+  collect  stop checks, detokenization and output objects (until the next step may start).
+The engine is synchronous today: the device idles during prepare and collect, so
+idle = (prepare + collect) / step. Early = the first 10% of decode steps, late = the last 10%
+(context ~16 + M/10 against ~16 + M). Variants: greedy, sampled (temperature 0.8, top_p 0.95),
+penalties, logprobs, stop strings.
+
+    python scripts/bench_engine_overhead.py                       # 128 sequences x 1,000 tokens
+    python scripts/bench_engine_overhead.py --seqs 256 --variants greedy,sampled --out o.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from device_check import write_tiny_checkpoint  # noqa: E402  (numpy-only random checkpoint)
+
+VARIANTS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.8, top_p=0.95, seed=1),
+    "penalties": dict(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2),
+    "logprobs": dict(temperature=0.0, logprobs=5),
+    "stop_strings": dict(temperature=0.0, stop=["t999 t998", "never appears"]),
+}
+
+
+def run_variant(llm, name: str, seqs: int, max_tokens: int) -> dict:
+    from jaxserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **VARIANTS[name])
+    for i in range(seqs):
+        engine.add_request(f"{name}-{i}", [1] + [(37 * i + 11 * j) % 4000 + 3 for j in range(15)], params)
+    engine.step_timings.clear()
+    rows = []  # (seqs in step, tokens in step, prepare, device, collect)
+    t_start = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t_end = time.perf_counter()
+        generated += sum(len(o.delta_token_ids) for o in outs)
+        if engine.step_timings and len(rows) < len(engine.step_timings):
+            n_seqs, n_tok, prepare, to_fetch = engine.step_timings[-1]
+            rows.append((n_seqs, n_tok, prepare, to_fetch - prepare, (t_end - t0) - to_fetch))
+    wall = time.perf_counter() - t_start
+    decode = [r for r in rows if r[0] == r[1] == seqs]  # full pure-decode steps
+    k = max(1, len(decode) // 10)
+
+    def summary(part: list[tuple]) -> dict:
+        med = {key: statistics.median(r[i] for r in part) * 1e3 for i, key in
+               ((2, "prepare_ms"), (3, "device_ms"), (4, "collect_ms"))}
+        host = [(r[2] + r[4]) for r in part]
+        step = [(r[2] + r[3] + r[4]) for r in part]
+        med.update(host_ms=statistics.median(host) * 1e3, step_ms=statistics.median(step) * 1e3,
+                   idle_frac=statistics.median(h / s for h, s in zip(host, step)))
+        return med
+
+    early, late = summary(decode[:k]), summary(decode[-k:])
+    return dict(variant=name, seqs=seqs, max_tokens=max_tokens, steps=len(rows), decode_steps=len(decode),
+                early=early, late=late, late_over_early=late["host_ms"] / early["host_ms"],
+                output_tok_s=generated / wall, wall_s=wall)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=1000)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    import jax
+
+    from jaxserve import LLM
+
+    tmp = Path(tempfile.mkdtemp(prefix="jaxserve-overhead-"))
+    model = write_tiny_checkpoint(tmp / "tiny", vocab=a.vocab, hidden=64, layers=1, heads=1, kv_heads=1, head_dim=64)
+    t0 = time.perf_counter()
+    llm = LLM(model=str(model), dtype="float32", max_num_seqs=a.seqs, max_num_batched_tokens=max(512, a.seqs),
+              max_model_len=16 + a.max_tokens + 16, page_size=16, enable_prefix_caching=False,
+              attention_backend=a.attention_backend, show_progress=False)
+    startup = time.perf_counter() - t0
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {a.seqs} sequences x {a.max_tokens} tokens; "
+          f"start-up {startup:.1f} s", flush=True)
+    print(f"{'variant':<13} {'part':<5} {'prepare':>8} {'device':>8} {'collect':>8} {'host':>8} {'step':>8} "
+          f"{'idle':>6} {'late/early':>10} {'tok/s':>8}")
+    results = []
+    for name in a.variants.split(","):
+        r = run_variant(llm, name, a.seqs, a.max_tokens)
+        results.append(r)
+        for part in ("early", "late"):
+            p = r[part]
+            print(f"{name:<13} {part:<5} {p['prepare_ms']:8.2f} {p['device_ms']:8.2f} {p['collect_ms']:8.2f} "
+                  f"{p['host_ms']:8.2f} {p['step_ms']:8.2f} {100 * p['idle_frac']:5.1f}% "
+                  + (f"{r['late_over_early']:10.2f} {r['output_tok_s']:8.0f}" if part == "late" else ""), flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, startup_s=startup,
+                                         results=results), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
