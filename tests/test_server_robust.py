@@ -485,12 +485,38 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(srv):
                                           ("response_format", {"type": "json_object"}),
                                           ("tools", [{"type": "function"}]),
                                           ("tool_choice", "auto"), ("parallel_tool_calls", True), ("user", "me"),
-                                          ("stream_options", {"continuous_usage_stats": True})])
+                                          ("stream_options", {"continuous_usage_stats": "yes"})])
 def test_ignored_fields_are_refused_by_name(srv, field, value):
     for path, base in (("/v1/completions", {"prompt": "hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         status, err = post(srv, path, {**base, "max_tokens": 2, field: value})
         assert status == 400 and field in err["error"]["param"], (path, err)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(srv, chat):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it by default): honoured, not refused."""
+    path, base = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}]}) if chat
+                  else ("/v1/completions", {"prompt": "Count to ten:"}))
+    body = {**base, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    status, whole = post(srv, path, body)
+    assert status == 200, whole
+    for continuous in (True, False):
+        opts = {"include_usage": True, "continuous_usage_stats": continuous}
+        status, events = sse(srv, path, {**body, "stream_options": opts})
+        assert status == 200 and events[-1] == "[DONE]", events
+        chunks, final = events[:-2], events[-2]
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: the prefix cache's
+        assert final["choices"] == [] and all(final["usage"][k] == whole["usage"][k] for k in counts), final
+        if not continuous:
+            assert all(c["usage"] is None for c in chunks)
+            continue
+        done = [c["usage"]["completion_tokens"] for c in chunks]
+        assert done == sorted(done) and done[-1] == 12, done
+        assert all(c["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] for c in chunks)
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in chunks)
+    assert_idle_and_consistent(srv)
 
 
 VALIDATION = [

@@ -198,11 +198,9 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         if opts is not None:
             if not isinstance(opts, dict):
                 raise InvalidRequest("stream_options must be an object", "stream_options")
-            if opts.get("continuous_usage_stats"):
-                raise InvalidRequest("stream_options.continuous_usage_stats is not supported by this server",
-                                     "stream_options.continuous_usage_stats")
-            if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
-                raise InvalidRequest("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+            for key in ("include_usage", "continuous_usage_stats"):
+                if opts.get(key) is not None and not isinstance(opts[key], bool):
+                    raise InvalidRequest(f"stream_options.{key} must be a boolean", f"stream_options.{key}")
         if chat and body.get("echo"):
             raise InvalidRequest("echo is only supported by /v1/completions", "echo")
         if not chat and body.get("echo") and body.get("stream"):
@@ -416,8 +414,12 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             obj = "chat.completion" if chat else "text_completion"
             want_ids = bool(body.get("return_token_ids"))
             if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                stream = stream_response(engine, prompts, texts, params, rid, created, chat, include_usage, want_ids)
+                opts = body.get("stream_options") or {}
+                include_usage = bool(opts.get("include_usage"))
+                # vLLM's extension (guidellm sends it): every chunk carries the usage so far.
+                continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+                stream = stream_response(engine, prompts, texts, params, rid, created, chat, include_usage, want_ids,
+                                         continuous)
                 # Admission errors surface as a 400/429, not mid-stream; a client gone meanwhile aborts it.
                 disconnected, first = await _until_disconnect(request, stream.__anext__())
                 if disconnected:
@@ -456,13 +458,22 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             return error_response(exc)
 
     async def stream_response(engine, prompts, texts, params, rid, created, chat, include_usage,
-                              want_ids) -> AsyncIterator[str]:
+                              want_ids, continuous: bool = False) -> AsyncIterator[str]:
         """SSE chunks. Every engine output with new tokens is sent, even when its text is held
-        back (a possible stop string, an incomplete character): its token ids and logprobs count."""
+        back (a possible stop string, an incomplete character): its token ids and logprobs count.
+        `continuous`: each chunk's usage is the request's so far (prompts seen, tokens generated)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
         tok = engine.engine.tokenizer
+        prompt_lens: dict[int, int] = {}  # for continuous usage: per prompt, and tokens per choice so far
+        produced: dict[tuple[int, int], int] = {}
+
+        def usage_so_far() -> Any:
+            if not continuous:
+                return None
+            return usage_json({"prompt_tokens": sum(prompt_lens.values()), "completion_tokens": sum(produced.values()),
+                               "cached": 0})
 
         async def one(pi: int, prompt: Any):
             try:
@@ -494,11 +505,13 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                     yield error_event(item)
                     yield "data: [DONE]\n\n"
                     return
+                comp = item.outputs[0]
+                prompt_lens.setdefault(pi, len(item.prompt_token_ids))
+                produced[(pi, comp.index)] = len(comp.token_ids)
                 if chat and not sent:  # OpenAI's first chunk: every choice's role, before any content
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None} for i in range(len(prompts) * params.n)])
+                                  "finish_reason": None} for i in range(len(prompts) * params.n)], usage_so_far())
                 sent = True
-                comp = item.outputs[0]
                 index = pi * params.n + comp.index
                 if item.finished:
                     usage["completion_tokens"] += len(comp.token_ids)
@@ -519,7 +532,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 choice["finish_reason"] = comp.finish_reason if item.finished else None
                 if want_ids:
                     choice["token_ids"] = list(item.delta_token_ids)
-                yield chunk([choice])
+                yield chunk([choice], usage_so_far())
             if include_usage:
                 yield chunk([], usage_json(usage))
             yield "data: [DONE]\n\n"
