@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from jaxserve.config import add_engine_args, config_from_args
+from jaxserve.logs import is_tty, setup_logging
 
 log = logging.getLogger("jaxserve.serve")
 
@@ -93,7 +94,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.call_soon_threadsafe(stop.set)
 
     t0 = time.perf_counter()
-    load = loop.run_in_executor(None, lambda: AsyncEngine(config, on_fatal=on_fatal))
+    load = loop.run_in_executor(None, lambda: AsyncEngine(config, on_fatal=on_fatal, show_progress=is_tty()))
     done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     status = 0
     if load not in done:
@@ -181,7 +182,7 @@ def _exit_now(status: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level.upper())  # jaxserve's lines; absl/orbax/jax chatter held at WARNING
     if not (args.coordinator_address or args.num_processes or os.environ.get("JAX_COORDINATOR_ADDRESS")):
         return asyncio.run(serve(args))
     from jaxserve import distributed

@@ -109,7 +109,6 @@ class ModelRunner:
         self.history_len = history_len
         self.mesh = mesh
         cfg = model.cfg
-        self.page_size = page_size
         self.kv_layout = pool_layout(attention_backend, cfg.head_dim, cfg.num_kv_heads,
                                      1 if mesh is None else mesh.shape["model"])
         self.kv_shape = pool_shape(self.kv_layout, cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
