@@ -194,8 +194,9 @@ def test_bad_prompts_both_protocols(server):
     with pytest.raises(grpc.RpcError) as err:
         list(client.stream("x" * (2 << 20), max_tokens=4))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in err.value.details()
-    status, raw = http("POST", server["base"] + "/v1/completions", json.dumps({"prompt": "x" * (2 << 20)}).encode())
-    assert status == 400 and "limit" in json.loads(raw)["error"]["message"]
+    # HTTP's 1 MB body limit: the server answers without reading the rest, so a client still sending
+    # may see a broken pipe instead of the 400; test_server_robust.py::test_body_limit_stops_reading
+    # reads that reply from a raw socket.
     status, raw = http("POST", server["base"] + "/v1/completions",
                        json.dumps({"model": "gpt-17", "prompt": "hi"}).encode())
     assert status == 404 and json.loads(raw)["error"]["param"] == "model"  # OpenAI's model_not_found
