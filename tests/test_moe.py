@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_COMMON, hf_greedy, hf_logits, small_engine_options
+from conftest import hf_greedy, hf_logits, make_tiny_checkpoint, small_engine_options
 from model_utils import prefill_logits
 
 from jaxserve import SamplingParams
@@ -36,23 +36,8 @@ TINY_MOE = {
 
 
 def make_moe_checkpoint(name: str, root: Path) -> Path:
-    import torch
-    import transformers
-
-    from jaxserve.loading import load_tokenizer
-
     cls_name, extra, save = TINY_MOE[name]
-    cfg = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # nonzero biases (Qwen2-MoE's q/k/v), else they test nothing
-        for pname, p in model.named_parameters():
-            if pname.endswith(".bias"):
-                p.normal_(0.0, 0.2)
-    path = root / name
-    model.save_pretrained(path, **save)
-    load_tokenizer(None).save_pretrained(path)
-    return path
+    return make_tiny_checkpoint(name, root, (cls_name, extra), **save)  # nonzero biases, default tokenizer
 
 
 @pytest.fixture(scope="module")
