@@ -23,6 +23,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas" | "cpu" | "xla-reference" (the test oracle)
     scheduler: str = "continuous"  # or "static"
+    # Plan and launch step N+1 before reading step N's results (vLLM's async scheduling, SGLang's
+    # overlap scheduler): host work hides behind the device. False: the synchronous reference.
+    async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest prefix match)
     max_waiting: int = 1024  # bounded queue: past it, submissions are refused
     compile_ahead: bool = True  # compile every bucket at start-up

@@ -241,6 +241,7 @@ class AsyncEngine:
                         except Exception as exc:  # report to the requests in flight
                             log.exception("engine step failed")
                             self._fail_all(RuntimeError(f"engine step failed: {exc}"))
+                            self.engine.discard_in_flight()
                             if self.engine.multihost:
                                 raise  # the followers may be inside the step we abandoned
                             outputs = []  # single host: keep serving
@@ -256,6 +257,7 @@ class AsyncEngine:
                     time.sleep(0.0002)  # a plain Lock is not fair: let submitters in between steps
             with self._lock:
                 self._fail_all(EngineDeadError("the server is shutting down"))
+                self.engine.discard_in_flight()
                 self.engine.stop_followers()
         except BaseException as exc:  # nothing may end this thread silently: requests would hang
             self._die(exc)

@@ -92,6 +92,17 @@ def _encode_prompt(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int)
 
 
 @dataclass
+class _Launched:
+    """A dispatched step whose results have not been read yet."""
+
+    replica: "Replica"
+    plan: Any
+    sampled: Any  # SampleOutput (device futures)
+    sampled_ids: Any  # the sampled ids padded to the widest bucket: a next step's prev_ids
+    prompt_logprobs: Any
+
+
+@dataclass
 class Replica:
     """One data-parallel replica: its devices' share of the model, page pool, cache and batch."""
 
@@ -187,6 +198,11 @@ class LLMEngine:
 
             self.broadcaster = StepBroadcaster(len(self.replicas))
         self._tracked: dict[str, _Tracked] = {}
+        # Overlapped scheduling: step N+1 is planned and launched before step N's results are
+        # read, so the host's work between steps runs while the device computes. Multi-host
+        # followers replay plans one at a time, so a multi-host leader steps synchronously.
+        self.overlap = config.async_scheduling and not self.multihost
+        self._in_flight: list[_Launched] = []
         self.step_timings: deque = deque(maxlen=4096)  # (seqs, tokens, host s, schedule+device s)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -248,50 +264,62 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return any(r.scheduler.has_work() for r in self.replicas)
+        return bool(self._in_flight) or any(r.scheduler.has_work() for r in self.replicas)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step of every replica: all are dispatched before any is waited on, so the
-        replicas' devices run at the same time."""
+        replicas' devices run at the same time. With overlap, the outputs returned are those of
+        the step launched by the previous call: this call's step runs on the device meanwhile."""
         t0 = time.perf_counter()
         if self.multihost and self.broadcaster is None:
             # Followers released (or this is one): a step now would wait for them forever.
             raise RuntimeError("multi-host: this process does not drive the followers (stopped, or not process 0)")
         plans = [replica.scheduler.schedule() for replica in self.replicas]
         failed = [self._failed_output(req) for replica in self.replicas for req in replica.scheduler.take_failed()]
-        if all(plan is None for plan in plans):
+        if all(plan is None for plan in plans) and not self._in_flight:
             self.keep_followers_alive()
             return failed
-        if self.broadcaster is not None:  # multi-host: the followers launch the same steps
-            self.broadcaster.send([r.runner for r in self.replicas], plans)
-        launched = [(replica, plan, replica.runner.launch(plan))
-                    for replica, plan in zip(self.replicas, plans) if plan is not None]
+        if self.broadcaster is not None and any(plan is not None for plan in plans):
+            self.broadcaster.send([r.runner for r in self.replicas], plans)  # the followers launch the same
+        previous = {id(launch.replica): launch for launch in self._in_flight}
+        launched = []
+        for replica, plan in zip(self.replicas, plans):
+            if plan is None:
+                continue
+            prev = previous.get(id(replica))
+            out = replica.runner.launch(plan, prev.sampled_ids if prev is not None else None)
+            launched.append(_Launched(replica, plan, out, replica.runner.last_sampled_ids,
+                                      replica.runner.last_prompt_logprobs))
         t1 = time.perf_counter()
+        if self.overlap:
+            to_read, self._in_flight = self._in_flight, launched
+        else:
+            to_read = launched
         if self.multihost:  # a replica on other hosts' devices sends its outputs here
             from jaxserve.distributed import gather_outputs
 
-            fetched = gather_outputs([r.runner for r, _, _ in launched], [out for _, _, out in launched])
-            results = [(r, plan, r.runner.unpack(f)) for (r, plan, _), f in zip(launched, fetched)]
+            fetched = gather_outputs([x.replica.runner for x in to_read], [x.sampled for x in to_read])
+            results = [(x, x.replica.runner.unpack(f)) for x, f in zip(to_read, fetched)]
         else:
-            results = [(replica, plan, replica.runner.fetch(out)) for replica, plan, out in launched]
+            results = [(x, x.replica.runner.fetch(x.sampled)) for x in to_read]
         t2 = time.perf_counter()
         # Host time (scheduling + input preparation + dispatch) against the whole step.
-        self.step_timings.append((sum(len(p.seqs) for _, p, _ in results), sum(p.num_tokens for _, p, _ in results),
+        self.step_timings.append((sum(len(x.plan.seqs) for x in launched), sum(x.plan.num_tokens for x in launched),
                                   t1 - t0, t2 - t0))
         now = time.monotonic()
         outputs = failed
-        for replica, plan, (token_ids, logprobs) in results:
-            prompt_lps = self._fetch_prompt_logprobs(replica) if plan.wants_prompt_logprobs else None
-            outputs += self._collect(replica, plan, token_ids, logprobs, prompt_lps, now)
+        for x, (token_ids, logprobs) in results:
+            prompt_lps = self._fetch_prompt_logprobs(x) if x.plan.wants_prompt_logprobs else None
+            outputs += self._collect(x.replica, x.plan, token_ids, logprobs, prompt_lps, now)
         return outputs
 
     @staticmethod
-    def _fetch_prompt_logprobs(replica: Replica) -> Any:
-        mesh = replica.runner.mesh
+    def _fetch_prompt_logprobs(launch: _Launched) -> Any:
+        mesh = launch.replica.runner.mesh
         if mesh is not None and not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
             return None  # multi-host: a replica with no device here (prompt logprobs not gathered)
-        return replica.runner.fetch_prompt_logprobs()
+        return launch.replica.runner.fetch_prompt_logprobs(launch.prompt_logprobs)
 
     def _collect(self, replica: Replica, plan: Any, token_ids: np.ndarray, logprobs: Any, prompt_lps: Any,
                  now: float) -> list[RequestOutput]:
@@ -364,6 +392,14 @@ class LLMEngine:
             prompt_lps, t.sent_prompt_logprobs = list(req.prompt_logprobs), True
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
                              req.num_cached_tokens, delta_text, delta_ids, queued, prompt_logprobs=prompt_lps)
+
+    def discard_in_flight(self) -> None:
+        """Forget launched steps unread: only after every request in them was aborted (shutdown,
+        or a failed step), when nothing is left to deliver their tokens to."""
+        for launch in self._in_flight:
+            for s in launch.plan.seqs:
+                s.request.num_pending -= s.sample
+        self._in_flight = []
 
     def keep_followers_alive(self) -> None:
         """Multi-host, while idle: let the followers' pending collective complete before it times out."""

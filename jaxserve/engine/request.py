@@ -32,7 +32,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV sits in the page pool
+    # Tokens whose KV sits in the page pool, or is being written by a launched step: advanced
+    # when a step is scheduled, so that the next one can be planned before this one returns.
+    num_computed_tokens: int = 0
+    # Tokens being sampled by launched steps, not yet in output_token_ids (overlapped scheduling:
+    # at most one). The last of them comes out of row `sample_row` of the launched step.
+    num_pending: int = 0
+    sample_row: int = -1
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at the first admission
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -129,7 +129,10 @@ class ModelRunner:
         self.kv_cache = jax.jit(lambda: jnp.zeros(self.kv_shape, model.dtype), out_shardings=self._kv_sharding)()
         self.graphdef, self.state = nnx.split(model)
 
-        def step(state, kv_cache, tokens, md: AttentionMetadata, logits_indices, prompt_targets):
+        def step(state, kv_cache, tokens, md: AttentionMetadata, logits_indices, prompt_targets, token_src,
+                 prev_ids):
+            # Decodes planned while the previous step ran take their input from its sampled ids.
+            tokens = jnp.where(token_src >= 0, prev_ids[jnp.maximum(token_src, 0)], tokens)
             m = nnx.merge(self.graphdef, state)
             hidden, kv_cache = m(tokens, md, kv_cache, attention_fn, kv_write_fn, page_size=page_size)
             logits = m.compute_logits(hidden[logits_indices]).astype(jnp.float32)
@@ -142,7 +145,18 @@ class ModelRunner:
         self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
         # The sampler is a jit of its own, per sequence bucket S: it takes seconds to compile
         # (several sampling paths), and inside the step every (T, S, P) bucket would pay that.
-        self._sample = jax.jit(sample, out_shardings=rep)
+        # Sampled ids also come back padded to the widest sequence bucket: the next step's
+        # `prev_ids`, one shape whatever the bucket of the step that sampled them.
+        self.max_seqs = max(buckets.seqs_for(t) for t in buckets.token_buckets)
+
+        def sample_padded(logits, samp, prev_ids):
+            out = sample(logits, samp, prev_ids)
+            return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids)
+
+        self._sample = jax.jit(sample_padded, out_shardings=rep)
+        self._no_prev_ids = jax.device_put(np.zeros(self.max_seqs, np.int32), rep)
+        # The last launched step's sampled ids, padded (what a step planned during it reads).
+        self.last_sampled_ids: Any = None
         self._compiled_samplers: dict[int, Any] = {}
         self._compiled: dict[tuple[int, int, int], Any] = {}
         self.compile_seconds = 0.0
@@ -164,19 +178,20 @@ class ModelRunner:
         samp = SamplingArrays(**{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                                  for k, v in empty_sampling_arrays(S, self.history_len).items()})
         kv = jax.ShapeDtypeStruct(self.kv_shape, self.model.dtype, sharding=self._kv_sharding)
-        return self.state, kv, i32(T), md, i32(S), samp, i32(T)
+        return self.state, kv, i32(T), md, i32(S), samp, i32(T), i32(T), i32(self.max_seqs)
 
     def compile_bucket(self, bucket: tuple[int, int, int]) -> tuple[Any, Any]:
         """The compiled model step of this bucket and the compiled sampler of its S."""
         if bucket not in self._compiled:
             t0 = time.perf_counter()
-            state, kv, tokens, md, logits_indices, samp, targets = self._abstract_args(*bucket)
-            self._compiled[bucket] = self._step.lower(state, kv, tokens, md, logits_indices, targets).compile()
+            state, kv, tokens, md, logits_indices, samp, targets, token_src, prev_ids = self._abstract_args(*bucket)
+            self._compiled[bucket] = self._step.lower(state, kv, tokens, md, logits_indices, targets, token_src,
+                                                      prev_ids).compile()
             S = bucket[1]
             if S not in self._compiled_samplers:
                 logits = jax.ShapeDtypeStruct((S, self.model.cfg.vocab_size), jnp.float32,
                                               sharding=self._input_sharding)
-                self._compiled_samplers[S] = self._sample.lower(logits, samp).compile()
+                self._compiled_samplers[S] = self._sample.lower(logits, samp, prev_ids).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[bucket], self._compiled_samplers[bucket[1]]
 
@@ -196,38 +211,50 @@ class ModelRunner:
     @staticmethod
     def step_inputs(plan: StepPlan) -> tuple:
         """The plan's device inputs: (tokens, attention metadata, logits indices, sampling arrays,
-        prompt-logprob targets)."""
+        prompt-logprob targets, token sources)."""
         md = AttentionMetadata(plan.positions, plan.slot_mapping, plan.kv_lens, plan.page_tables,
                                plan.cu_q_lens, plan.num_seqs)
-        targets = plan.prompt_targets if plan.prompt_targets is not None else np.full(plan.tokens.shape, -1, np.int32)
-        return plan.tokens, md, plan.logits_indices, SamplingArrays(**plan.sampling), targets
+        none = np.full(plan.tokens.shape, -1, np.int32)
+        targets = plan.prompt_targets if plan.prompt_targets is not None else none
+        token_src = plan.token_src if plan.token_src is not None else none
+        return plan.tokens, md, plan.logits_indices, SamplingArrays(**plan.sampling), targets, token_src
 
     def input_template(self, bucket: tuple[int, int, int]) -> tuple:
         """Zero host arrays shaped like step_inputs of a plan in this bucket (what a multi-host
         follower receives the leader's plan into)."""
-        _, _, tokens, md, logits_indices, samp, targets = self._abstract_args(*bucket)
-        return host_zeros((tokens, md, logits_indices, samp, targets))
+        _, _, tokens, md, logits_indices, samp, targets, token_src, _ = self._abstract_args(*bucket)
+        return host_zeros((tokens, md, logits_indices, samp, targets, token_src))
 
-    def launch(self, plan: StepPlan) -> SampleOutput:
-        """Dispatch one step and return without waiting for the device (its outputs are futures)."""
-        return self.launch_inputs(plan.bucket, self.step_inputs(plan))
+    def launch(self, plan: StepPlan, prev_ids: Any = None) -> SampleOutput:
+        """Dispatch one step and return without waiting for the device (its outputs are futures).
+        `prev_ids`: `last_sampled_ids` of the step the plan was made during (overlap), if any."""
+        return self.launch_inputs(plan.bucket, self.step_inputs(plan), prev_ids)
 
-    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple) -> SampleOutput:
+    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None) -> SampleOutput:
         step_fn, sample_fn = self.compile_bucket(bucket)
-        tokens, md, logits_indices, samp, targets = inputs
+        tokens, md, logits_indices, samp, targets, token_src = inputs
+        prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, tokens, md,
-                                                                    logits_indices, targets)
-        return sample_fn(logits, samp)
+                                                                    logits_indices, targets, token_src, prev_ids)
+        out, self.last_sampled_ids = sample_fn(logits, samp, prev_ids)
+        return out
 
-    def fetch_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The last step's (target logprob [T], top ids [T, K], top logprobs [T, K]) on the host:
-        only called for a plan that asked for them."""
-        return self.to_host(self._last_prompt_logprobs)
+    @property
+    def last_prompt_logprobs(self) -> Any:
+        """The last launched step's prompt-logprob arrays (device futures)."""
+        return self._last_prompt_logprobs
+
+    def fetch_prompt_logprobs(self, arrays: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(target logprob [T], top ids [T, K], top logprobs [T, K]) on the host, of `arrays`
+        (a launched step's `last_prompt_logprobs`) or of the last step: only called for a plan
+        that asked for them."""
+        return self.to_host(self._last_prompt_logprobs if arrays is None else arrays)
 
     def output_template(self, num_seqs: int) -> SampleOutput:
         """Zero host arrays shaped like the outputs of a step of num_seqs rows."""
         abstract = jax.eval_shape(lambda: sample(jnp.zeros((num_seqs, self.model.cfg.vocab_size), jnp.float32),
-                                                 SamplingArrays(**empty_sampling_arrays(num_seqs, self.history_len))))
+                                                 SamplingArrays(**empty_sampling_arrays(num_seqs, self.history_len)),
+                                                 jnp.zeros(self.max_seqs, jnp.int32)))
         return host_zeros(abstract)
 
     @staticmethod

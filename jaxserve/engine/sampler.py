@@ -39,6 +39,11 @@ class SamplingArrays:
     prompt_lens: jax.Array  # [S] i32
     banned: jax.Array  # [S, MAX_BANNED] i32, -1 padded
     want_logprobs: jax.Array  # [S] bool
+    # Overlapped scheduling: a row whose last input token was still being sampled by the previous
+    # step when this one was prepared has it at history[row, pending_col]; pending_src is its index
+    # in that step's sampled ids (-1: none pending). Filled on device from those ids.
+    pending_src: jax.Array  # [S] i32
+    pending_col: jax.Array  # [S] i32
 
 
 @jax.tree_util.register_dataclass
@@ -66,12 +71,23 @@ def empty_sampling_arrays(num_rows: int, history_len: int) -> dict[str, np.ndarr
         prompt_lens=np.zeros(num_rows, np.int32),
         banned=np.full((num_rows, MAX_BANNED), -1, np.int32),
         want_logprobs=np.zeros(num_rows, np.bool_),
+        pending_src=np.full(num_rows, -1, np.int32),
+        pending_col=np.zeros(num_rows, np.int32),
     )
 
 
-def _apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+def _history_with_pending(s: SamplingArrays, prev_ids: jax.Array | None) -> jax.Array:
+    """The history with each row's pending token (sampled by the previous step) filled in."""
+    if prev_ids is None:
+        return s.history
+    rows = jnp.arange(s.history.shape[0])
+    has = s.pending_src >= 0
+    tok = prev_ids[jnp.maximum(s.pending_src, 0)]
+    return s.history.at[rows, s.pending_col].set(jnp.where(has, tok, s.history[rows, s.pending_col]))
+
+
+def _apply_penalties(logits: jax.Array, s: SamplingArrays, hist: jax.Array) -> jax.Array:
     rows, vocab = logits.shape
-    hist = s.history
     valid = hist >= 0
     is_output = jnp.arange(hist.shape[1])[None, :] >= s.prompt_lens[:, None]
     row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], hist.shape)
@@ -353,12 +369,14 @@ def _argmax(logits: jax.Array) -> jax.Array:
     return (blk * blk_size + jnp.minimum(pos, blk_size - 1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
-    """logits [S, V] float32 -> sampled ids and logprobs (of the raw model distribution)."""
+def sample(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None = None) -> SampleOutput:
+    """logits [S, V] float32 -> sampled ids and logprobs (of the raw model distribution).
+    `prev_ids`: the previous step's sampled ids, for rows with a pending token (overlap)."""
     rows, vocab = logits.shape
     raw_logits = logits
     any_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-    logits = jax.lax.cond(any_penalty, _apply_penalties, lambda l, _: l, logits, s)
+    logits = jax.lax.cond(any_penalty, lambda l: _apply_penalties(l, s, _history_with_pending(s, prev_ids)),
+                          lambda l: l, logits)
     banned_valid = s.banned >= 0
 
     def apply_bans(l):  # -1 padding (and ids past the vocabulary) go out of range and are dropped

@@ -60,6 +60,9 @@ class StepPlan:
     num_seqs: np.ndarray  # [1]
     logits_indices: np.ndarray  # [S] flat row of each sequence's last token
     sampling: dict[str, np.ndarray]
+    # [T] per flat row: -1, or the index, in the previous step's sampled ids, of this row's input
+    # token (a decode planned while that step still ran: the device fills the token in).
+    token_src: np.ndarray | None = None
     # [T] per flat row: the next prompt token, whose logprob the row's logits give (prompt
     # logprobs), or -1. All -1 in an ordinary step, and the device then skips that work.
     prompt_targets: np.ndarray | None = None
@@ -130,7 +133,8 @@ class Scheduler:
         if self.prefix_cache is None or req.num_computed_tokens == 0:
             return
         page_size = self.pool.page_size
-        full = req.num_computed_tokens // page_size
+        # Never past the known tokens: the input of a launched decode can still be unknown here.
+        full = min(req.num_computed_tokens, req.num_tokens) // page_size
         if full == 0:
             return
         pages = self.pool.pages_of(req.request_id)[:full]
@@ -195,7 +199,9 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
+                continue  # its last token is being sampled: it finishes when that arrives
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             while not self._grow(req, req.num_computed_tokens + n):
@@ -206,7 +212,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
+            scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n,
+                                          req.num_computed_tokens + n == req.num_tokens + req.num_pending))
             budget -= n
 
         can_admit = not preempted and (not self.static or not self.running)
@@ -221,7 +228,7 @@ class Scheduler:
                 break
             req = self.waiting[0]
             source = self._group_source(req)
-            if source is _WAIT:
+            if source is _WAIT or req.num_pending:  # (preempted with a token still being sampled)
                 deferred.append(self.waiting.popleft())
                 continue
             cached = self._share_prompt(req, source) if source is not None else self._match_prefix(req)
@@ -247,7 +254,7 @@ class Scheduler:
 
         if not scheduled:
             if self.running or self.waiting:
-                if not self.running:
+                if not self.running and not deferred:
                     # Nothing runs and the head of the queue does not fit an empty pool: it never will.
                     raise OutOfPagesError(
                         f"request {self.waiting[0].request_id} needs more KV pages than the pool holds"
@@ -332,6 +339,7 @@ class Scheduler:
         logits_idx = np.zeros(S, np.int32)
         samp = empty_sampling_arrays(S, self.history_len)
         targets = np.full(T, -1, np.int32)
+        token_src = np.full(T, -1, np.int32)
         off = 0
         failed: list[ScheduledSeq] = []
         wants_prompt_logprobs = False
@@ -346,7 +354,10 @@ class Scheduler:
                 continue
             pages = self.pool.table(rid)
             end = s.start + s.num_tokens
-            tokens[off: off + s.num_tokens] = req.token_slice(s.start, end)
+            known = min(end, req.num_tokens)
+            tokens[off: off + known - s.start] = req.token_slice(s.start, known)
+            if end > known:  # the last input is the token the launched step is sampling
+                token_src[off + s.num_tokens - 1] = req.sample_row
             pos = np.arange(s.start, end, dtype=np.int32)
             positions[off: off + s.num_tokens] = pos
             # Only the pages this chunk writes: per-step work stays independent of the context.
@@ -366,10 +377,15 @@ class Scheduler:
         if failed:  # rare: rebuild without them, so that rows stay dense and in order
             return self._build_plan([s for s in scheduled if all(s is not f for f in failed)], preempted)
         cu[len(scheduled) + 1:] = off
+        for i, s in enumerate(scheduled):  # the plan is final: its tokens count as computed
+            s.request.num_computed_tokens = s.start + s.num_tokens
+            if s.sample:
+                s.request.num_pending += 1
+                s.request.sample_row = i
         return StepPlan(
             seqs=scheduled, num_tokens=num_tokens, tokens=tokens, positions=positions, slot_mapping=slots,
             kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([len(scheduled)], np.int32),
-            logits_indices=logits_idx, sampling=samp, prompt_targets=targets,
+            logits_indices=logits_idx, sampling=samp, token_src=token_src, prompt_targets=targets,
             wants_prompt_logprobs=wants_prompt_logprobs, preempted=preempted,
         )
 
@@ -381,16 +397,25 @@ class Scheduler:
         samp["top_p"][i] = p.top_p
         samp["min_p"][i] = p.min_p
         samp["seeds"][i] = req.seed & 0xFFFFFFFF
-        samp["steps"][i] = len(req.output_token_ids)
+        # Index of the token this row samples: tokens still being sampled by a launched step count.
+        num_out = len(req.output_token_ids) + req.num_pending
+        samp["steps"][i] = num_out
         samp["want_logprobs"][i] = p.logprobs is not None
         if p.uses_penalties:
             samp["repetition_penalty"][i] = p.repetition_penalty
             samp["presence_penalty"][i] = p.presence_penalty
             samp["frequency_penalty"][i] = p.frequency_penalty
-            hist = req.all_token_ids[-self.history_len:]
+            # The last history_len tokens; a pending one (at most one: the input of this decode)
+            # goes last, filled in on device from the launched step's sampled ids.
+            pend = req.num_pending
+            hist = req.token_slice(max(0, req.num_tokens - (self.history_len - pend)), req.num_tokens)
             samp["history"][i, : len(hist)] = hist
-            samp["prompt_lens"][i] = max(0, req.num_prompt_tokens - (req.num_tokens - len(hist)))
-        if len(req.output_token_ids) < p.min_tokens:
+            if pend:
+                samp["pending_src"][i] = req.sample_row
+                samp["pending_col"][i] = len(hist)
+            total = req.num_tokens + pend
+            samp["prompt_lens"][i] = max(0, req.num_prompt_tokens - (total - len(hist) - pend))
+        if num_out < p.min_tokens:
             # A stop id past int32 is past any vocabulary: never sampled, nothing to ban.
             banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + [t for t in p.stop_token_ids
                                                                           if t <= _INT32_MAX]
@@ -407,12 +432,15 @@ class Scheduler:
         new_tokens = []
         for i, s in enumerate(plan.seqs):
             req = s.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens = s.start + s.num_tokens
+            if s.sample:
+                req.num_pending -= 1
+            if req.status == RequestStatus.FINISHED:
+                continue  # aborted or stopped while the step ran (its pages are already free)
+            # A request preempted after this step was launched still gets the step's results: its
+            # pages were freed after the step's reads on the device.
             if prompt_logprobs is not None and req.prompt_logprobs is not None:
                 self._store_prompt_logprobs(req, s, prompt_logprobs)
-            if s.num_tokens > 1:
+            if s.num_tokens > 1 and req.status == RequestStatus.RUNNING:
                 # Share each prefill chunk's full pages at once: requests with the same beginning
                 # (n > 1 siblings, a common system prompt) admitted next step reuse them.
                 self._cache_computed(req)
