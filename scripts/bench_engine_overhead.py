@@ -8,10 +8,14 @@ split into
   prepare  schedule + encode inputs + dispatch (until the launch returns),
   device   waiting for the sampled ids,
   collect  stop checks, detokenization and output objects (until the next step may start).
-The engine is synchronous today: the device idles during prepare and collect, so
-idle = (prepare + collect) / step. Early = the first 10% of decode steps, late = the last 10%
-(context ~16 + M/10 against ~16 + M). Variants: greedy, sampled (temperature 0.8, top_p 0.95),
-penalties, logprobs, stop strings.
+Each variant runs twice on the same engine: synchronously (the split above is exact there: the
+device idles during prepare and collect, idle = (prepare + collect) / step), then with overlapped
+scheduling (step N+1 launched before step N's results are read), where the host's work runs
+while the device computes and only what exceeds the device time shows:
+  exposed host = max(0, overlapped step - device), idle = exposed / overlapped step,
+with `device` the synchronous run's median for the same part. Early = the first 10% of decode
+steps, late = the last 10% (context ~16 + M/10 against ~16 + M). Variants: greedy, sampled
+(temperature 0.8, top_p 0.95), penalties, logprobs, stop strings.
 
     python scripts/bench_engine_overhead.py                       # 128 sequences x 1,000 tokens
     python scripts/bench_engine_overhead.py --seqs 256 --variants greedy,sampled --out o.json
@@ -41,10 +45,12 @@ VARIANTS = {
 }
 
 
-def run_variant(llm, name: str, seqs: int, max_tokens: int) -> dict:
+def run_variant(llm, name: str, seqs: int, max_tokens: int, overlap: bool) -> dict:
     from jaxserve import SamplingParams
 
     engine = llm.engine
+    assert not engine.has_unfinished()
+    engine.overlap = overlap  # safe to switch with nothing in flight
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **VARIANTS[name])
     for i in range(seqs):
         engine.add_request(f"{name}-{i}", [1] + [(37 * i + 11 * j) % 4000 + 3 for j in range(15)], params)
@@ -61,7 +67,9 @@ def run_variant(llm, name: str, seqs: int, max_tokens: int) -> dict:
             n_seqs, n_tok, prepare, to_fetch = engine.step_timings[-1]
             rows.append((n_seqs, n_tok, prepare, to_fetch - prepare, (t_end - t0) - to_fetch))
     wall = time.perf_counter() - t_start
-    decode = [r for r in rows if r[0] == r[1] == seqs]  # full pure-decode steps
+    # Full pure-decode steps (with overlap the step timing of a call is the launch it made,
+    # its wall time the reading of the previous one: both decodes in steady state).
+    decode = [r for r in rows if r[0] == r[1] == seqs]
     k = max(1, len(decode) // 10)
 
     def summary(part: list[tuple]) -> dict:
@@ -74,7 +82,8 @@ def run_variant(llm, name: str, seqs: int, max_tokens: int) -> dict:
         return med
 
     early, late = summary(decode[:k]), summary(decode[-k:])
-    return dict(variant=name, seqs=seqs, max_tokens=max_tokens, steps=len(rows), decode_steps=len(decode),
+    return dict(variant=name, overlap=overlap, seqs=seqs, max_tokens=max_tokens, steps=len(rows),
+                decode_steps=len(decode),
                 early=early, late=late, late_over_early=late["host_ms"] / early["host_ms"],
                 output_tok_s=generated / wall, wall_s=wall)
 
@@ -101,17 +110,28 @@ def main() -> int:
     startup = time.perf_counter() - t0
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {a.seqs} sequences x {a.max_tokens} tokens; "
           f"start-up {startup:.1f} s", flush=True)
+    print("ms per decode step (medians); sync: prepare + device + collect = step; overlap: step wall, "
+          "exposed host = step - sync device")
     print(f"{'variant':<13} {'part':<5} {'prepare':>8} {'device':>8} {'collect':>8} {'host':>8} {'step':>8} "
-          f"{'idle':>6} {'late/early':>10} {'tok/s':>8}")
+          f"{'idle':>6} {'tok/s':>8} | {'ovl step':>8} {'exposed':>8} {'idle':>6} {'late/early':>10} {'tok/s':>8}")
     results = []
     for name in a.variants.split(","):
-        r = run_variant(llm, name, a.seqs, a.max_tokens)
-        results.append(r)
+        sync = run_variant(llm, name, a.seqs, a.max_tokens, overlap=False)
+        ovl = run_variant(llm, name, a.seqs, a.max_tokens, overlap=True)
         for part in ("early", "late"):
-            p = r[part]
+            o = ovl[part]
+            o["exposed_host_ms"] = max(0.0, o["step_ms"] - sync[part]["device_ms"])
+            o["idle_frac"] = o["exposed_host_ms"] / o["step_ms"]
+        ovl["late_over_early"] = ovl["late"]["exposed_host_ms"] / max(ovl["early"]["exposed_host_ms"], 1e-3)
+        results += [sync, ovl]
+        for part in ("early", "late"):
+            p, o = sync[part], ovl[part]
             print(f"{name:<13} {part:<5} {p['prepare_ms']:8.2f} {p['device_ms']:8.2f} {p['collect_ms']:8.2f} "
                   f"{p['host_ms']:8.2f} {p['step_ms']:8.2f} {100 * p['idle_frac']:5.1f}% "
-                  + (f"{r['late_over_early']:10.2f} {r['output_tok_s']:8.0f}" if part == "late" else ""), flush=True)
+                  + (f"{sync['output_tok_s']:8.0f}" if part == "late" else " " * 8)
+                  + f" | {o['step_ms']:8.2f} {o['exposed_host_ms']:8.2f} {100 * o['idle_frac']:5.1f}% "
+                  + (f"{ovl['late_over_early']:10.2f} {ovl['output_tok_s']:8.0f}" if part == "late" else ""),
+                  flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, startup_s=startup,

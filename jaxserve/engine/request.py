@@ -39,6 +39,9 @@ class Request:
     # at most one). The last of them comes out of row `sample_row` of the launched step.
     num_pending: int = 0
     sample_row: int = -1
+    # The scheduler's numpy copy of the pool's page table of this request, and the list it copied.
+    page_table_list: object | None = field(default=None, repr=False)
+    page_table_row: object | None = field(default=None, repr=False)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at the first admission
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"

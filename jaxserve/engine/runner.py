@@ -12,6 +12,7 @@ temporary, and returns each row's target logprob and top-n. Ordinary steps take 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -154,6 +155,7 @@ class ModelRunner:
             return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids)
 
         self._sample = jax.jit(sample_padded, out_shardings=rep)
+        self._empty_histories: dict[int, jax.Array] = {}
         self._no_prev_ids = jax.device_put(np.zeros(self.max_seqs, np.int32), rep)
         # The last launched step's sampled ids, padded (what a step planned during it reads).
         self.last_sampled_ids: Any = None
@@ -208,16 +210,20 @@ class ModelRunner:
             return 0
         return CompileCounter.count - self.compiles_after_warmup_base
 
-    @staticmethod
-    def step_inputs(plan: StepPlan) -> tuple:
+    def step_inputs(self, plan: StepPlan, host_history: bool = True) -> tuple:
         """The plan's device inputs: (tokens, attention metadata, logits indices, sampling arrays,
-        prompt-logprob targets, token sources)."""
+        prompt-logprob targets, token sources). A plan without penalty rows has no history array:
+        with `host_history` an empty one is made here (what a multi-host broadcast sends),
+        otherwise launch_inputs uses one kept on the device."""
         md = AttentionMetadata(plan.positions, plan.slot_mapping, plan.kv_lens, plan.page_tables,
                                plan.cu_q_lens, plan.num_seqs)
         none = np.full(plan.tokens.shape, -1, np.int32)
         targets = plan.prompt_targets if plan.prompt_targets is not None else none
         token_src = plan.token_src if plan.token_src is not None else none
-        return plan.tokens, md, plan.logits_indices, SamplingArrays(**plan.sampling), targets, token_src
+        sampling = plan.sampling
+        if host_history and sampling["history"] is None:
+            sampling = dict(sampling, history=np.full((plan.bucket[1], self.history_len), -1, np.int32))
+        return plan.tokens, md, plan.logits_indices, SamplingArrays(**sampling), targets, token_src
 
     def input_template(self, bucket: tuple[int, int, int]) -> tuple:
         """Zero host arrays shaped like step_inputs of a plan in this bucket (what a multi-host
@@ -228,16 +234,25 @@ class ModelRunner:
     def launch(self, plan: StepPlan, prev_ids: Any = None) -> SampleOutput:
         """Dispatch one step and return without waiting for the device (its outputs are futures).
         `prev_ids`: `last_sampled_ids` of the step the plan was made during (overlap), if any."""
-        return self.launch_inputs(plan.bucket, self.step_inputs(plan), prev_ids)
+        return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids)
 
     def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None) -> SampleOutput:
         step_fn, sample_fn = self.compile_bucket(bucket)
         tokens, md, logits_indices, samp, targets, token_src = inputs
         prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
+        if samp.history is None:
+            samp = dataclasses.replace(samp, history=self._empty_history(bucket[1]))
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, tokens, md,
                                                                     logits_indices, targets, token_src, prev_ids)
         out, self.last_sampled_ids = sample_fn(logits, samp, prev_ids)
         return out
+
+    def _empty_history(self, num_seqs: int) -> jax.Array:
+        """A [num_seqs, history_len] array of -1 on the device, made once per sequence bucket."""
+        if num_seqs not in self._empty_histories:
+            self._empty_histories[num_seqs] = jax.device_put(
+                np.full((num_seqs, self.history_len), -1, np.int32), self._input_sharding)
+        return self._empty_histories[num_seqs]
 
     @property
     def last_prompt_logprobs(self) -> Any:

@@ -55,8 +55,9 @@ class SampleOutput:
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
 
 
-def empty_sampling_arrays(num_rows: int, history_len: int) -> dict[str, np.ndarray]:
-    """Host-side buffers with neutral values, to be filled row by row."""
+def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = True) -> dict[str, np.ndarray]:
+    """Host-side buffers with neutral values, to be filled row by row. Without `with_history` the
+    [rows, history_len] array is None: no row uses penalties, and the runner supplies it."""
     return dict(
         temperature=np.zeros(num_rows, np.float32),
         top_k=np.zeros(num_rows, np.int32),
@@ -67,7 +68,7 @@ def empty_sampling_arrays(num_rows: int, history_len: int) -> dict[str, np.ndarr
         frequency_penalty=np.zeros(num_rows, np.float32),
         seeds=np.zeros(num_rows, np.uint32),
         steps=np.zeros(num_rows, np.int32),
-        history=np.full((num_rows, history_len), -1, np.int32),
+        history=np.full((num_rows, history_len), -1, np.int32) if with_history else None,
         prompt_lens=np.zeros(num_rows, np.int32),
         banned=np.full((num_rows, MAX_BANNED), -1, np.int32),
         want_logprobs=np.zeros(num_rows, np.bool_),

@@ -324,59 +324,72 @@ class Scheduler:
         return n
 
     def _build_plan(self, scheduled: list[ScheduledSeq], preempted: list[Request]) -> StepPlan | None:
+        """The step's arrays. Per sequence only O(1) Python (plus the tokens of a prefill chunk);
+        positions, slots and page tables are filled by whole-array numpy operations."""
         page_size = self.pool.page_size
         if not scheduled:
             return None
-        num_tokens = sum(s.num_tokens for s in scheduled)
-        max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
-        T, S, P = self.buckets.pick(num_tokens, max_pages)
-        tokens = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, NULL_PAGE * page_size, np.int32)  # padding writes into the null page
-        kv_lens = np.zeros(S, np.int32)
-        tables = np.full((S, P), NULL_PAGE, np.int32)
-        cu = np.zeros(S + 1, np.int32)
-        logits_idx = np.zeros(S, np.int32)
-        samp = empty_sampling_arrays(S, self.history_len)
-        targets = np.full(T, -1, np.int32)
-        token_src = np.full(T, -1, np.int32)
-        off = 0
+        uses_penalties = any(s.request.params.uses_penalties for s in scheduled)
         failed: list[ScheduledSeq] = []
+        samp = None
+        for attempt in range(2):
+            num_tokens = sum(s.num_tokens for s in scheduled)
+            max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
+            T, S, P = self.buckets.pick(num_tokens, max_pages)
+            # The [S, history] array only when a row uses penalties: otherwise the runner passes
+            # a constant that already sits on the device.
+            samp = empty_sampling_arrays(S, self.history_len, with_history=uses_penalties)
+            for i, s in enumerate(scheduled):
+                try:
+                    # Sampling first: it is what can fail on a user's value, before any row is written.
+                    self._fill_sampling(samp, i, s.request)
+                except Exception as exc:  # noqa: BLE001 - any failure here is this request's alone
+                    self._fail(s.request, exc)
+                    failed.append(s)
+            if not failed:
+                break
+            # rare: rebuild without them, so that rows stay dense and in order
+            scheduled = [s for s in scheduled if all(s is not f for f in failed)]
+            failed = []
+            if not scheduled:
+                return None
+        n = len(scheduled)
+        starts = np.fromiter((s.start for s in scheduled), np.int32, n)
+        lens = np.fromiter((s.num_tokens for s in scheduled), np.int32, n)
+        cu = np.zeros(S + 1, np.int32)
+        np.cumsum(lens, out=cu[1: n + 1])
+        cu[n + 1:] = num_tokens
+        row_seq = np.repeat(np.arange(n, dtype=np.int32), lens)  # flat row -> its sequence
+        pos = starts[row_seq] + np.arange(num_tokens, dtype=np.int32) - cu[row_seq]
+        positions = np.zeros(T, np.int32)
+        positions[:num_tokens] = pos
+        tables = np.full((S, P), NULL_PAGE, np.int32)
+        tables[:n] = np.stack([self._page_row(s.request) for s in scheduled])[:, :P]
+        slots = np.full(T, NULL_PAGE * page_size, np.int32)  # padding writes into the null page
+        slots[:num_tokens] = tables[row_seq, pos // page_size] * page_size + pos % page_size
+        kv_lens = np.zeros(S, np.int32)
+        kv_lens[:n] = starts + lens
+        logits_idx = np.zeros(S, np.int32)
+        logits_idx[:n] = cu[1: n + 1] - 1
+        tokens = np.zeros(T, np.int32)
+        token_src = np.full(T, -1, np.int32)
+        targets = np.full(T, -1, np.int32)
         wants_prompt_logprobs = False
+        flat: list[int] = []
         for i, s in enumerate(scheduled):
-            req, rid = s.request, s.request.request_id
-            try:
-                # Sampling first: it is what can fail on a user's value, before any row is written.
-                self._fill_sampling(samp, i, req)
-            except Exception as exc:  # noqa: BLE001 - any failure here is this request's alone
-                self._fail(req, exc)
-                failed.append(s)
-                continue
-            pages = self.pool.table(rid)
+            req = s.request
+            s.offset = off = int(cu[i])
             end = s.start + s.num_tokens
             known = min(end, req.num_tokens)
-            tokens[off: off + known - s.start] = req.token_slice(s.start, known)
+            flat += req.token_slice(s.start, known)
             if end > known:  # the last input is the token the launched step is sampling
                 token_src[off + s.num_tokens - 1] = req.sample_row
-            pos = np.arange(s.start, end, dtype=np.int32)
-            positions[off: off + s.num_tokens] = pos
-            # Only the pages this chunk writes: per-step work stays independent of the context.
-            first = s.start // page_size
-            chunk_pages = np.asarray(pages[first: (end - 1) // page_size + 1], np.int32)
-            slots[off: off + s.num_tokens] = chunk_pages[pos // page_size - first] * page_size + pos % page_size
-            kv_lens[i] = end
-            tables[i, : len(pages)] = pages
-            s.offset = off
+                flat.append(0)
             if req.prompt_logprobs is not None and s.start < req.prompt_logprob_rows_needed:
-                end = min(s.start + s.num_tokens, req.prompt_logprob_rows_needed)
-                targets[off: off + end - s.start] = req.prompt_token_ids[s.start + 1: end + 1]
+                last = min(end, req.prompt_logprob_rows_needed)
+                targets[off: off + last - s.start] = req.prompt_token_ids[s.start + 1: last + 1]
                 wants_prompt_logprobs = True
-            off += s.num_tokens
-            cu[i + 1] = off
-            logits_idx[i] = off - 1
-        if failed:  # rare: rebuild without them, so that rows stay dense and in order
-            return self._build_plan([s for s in scheduled if all(s is not f for f in failed)], preempted)
-        cu[len(scheduled) + 1:] = off
+        tokens[:num_tokens] = flat
         for i, s in enumerate(scheduled):  # the plan is final: its tokens count as computed
             s.request.num_computed_tokens = s.start + s.num_tokens
             if s.sample:
@@ -384,10 +397,22 @@ class Scheduler:
                 s.request.sample_row = i
         return StepPlan(
             seqs=scheduled, num_tokens=num_tokens, tokens=tokens, positions=positions, slot_mapping=slots,
-            kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([len(scheduled)], np.int32),
+            kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([n], np.int32),
             logits_indices=logits_idx, sampling=samp, token_src=token_src, prompt_targets=targets,
             wants_prompt_logprobs=wants_prompt_logprobs, preempted=preempted,
         )
+
+    def _page_row(self, req: Request) -> np.ndarray:
+        """The request's page table as a numpy row as wide as the widest page bucket, rebuilt only
+        when the pool changed the table (every page_size tokens, or on admission): the pool
+        replaces a table's list whenever it changes it, and the row keeps the list it copied
+        alive, so identity says whether the row is current."""
+        pages = self.pool.table(req.request_id)
+        if req.page_table_list is not pages:
+            row = np.full(self.buckets.page_buckets[-1], NULL_PAGE, np.int32)
+            row[: len(pages)] = pages
+            req.page_table_list, req.page_table_row = pages, row
+        return req.page_table_row
 
     def _fill_sampling(self, samp: dict[str, np.ndarray], i: int, req: Request) -> None:
         p = req.params
@@ -401,7 +426,7 @@ class Scheduler:
         num_out = len(req.output_token_ids) + req.num_pending
         samp["steps"][i] = num_out
         samp["want_logprobs"][i] = p.logprobs is not None
-        if p.uses_penalties:
+        if p.uses_penalties:  # (the plan then has the history array)
             samp["repetition_penalty"][i] = p.repetition_penalty
             samp["presence_penalty"][i] = p.presence_penalty
             samp["frequency_penalty"][i] = p.frequency_penalty
