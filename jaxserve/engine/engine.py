@@ -302,7 +302,8 @@ class LLMEngine:
             fetched = gather_outputs([x.replica.runner for x in to_read], [x.sampled for x in to_read])
             results = [(x, x.replica.runner.unpack(f)) for x, f in zip(to_read, fetched)]
         else:
-            results = [(x, x.replica.runner.fetch(x.sampled)) for x in to_read]
+            results = [(x, x.replica.runner.fetch(x.sampled, bool(x.plan.sampling["want_logprobs"].any())))
+                       for x in to_read]
         t2 = time.perf_counter()
         # Host time (scheduling + input preparation + dispatch) against the whole step.
         self.step_timings.append((sum(len(x.plan.seqs) for x in launched), sum(x.plan.num_tokens for x in launched),

@@ -245,6 +245,12 @@ class ModelRunner:
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, tokens, md,
                                                                     logits_indices, targets, token_src, prev_ids)
         out, self.last_sampled_ids = sample_fn(logits, samp, prev_ids)
+        # Start the copies back now: by the time the host reads them (a step later, with
+        # overlap) they are there, instead of one blocking transfer per array at fetch time.
+        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if np.any(samp.want_logprobs) \
+                else (out.token_ids,):
+            if a.is_fully_addressable:  # (multi-host: read per process by gather_outputs)
+                a.copy_to_host_async()
         return out
 
     def _empty_history(self, num_seqs: int) -> jax.Array:
@@ -282,8 +288,12 @@ class ModelRunner:
         """Sampled ids [S] and (token logprob, top ids, top logprobs)."""
         return out.token_ids, (out.logprobs, out.top_ids, out.top_logprobs)
 
-    def fetch(self, out: SampleOutput) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Wait for a launched step: sampled ids [S] and (token logprob, top ids, top logprobs)."""
+    def fetch(self, out: SampleOutput, with_logprobs: bool = True
+              ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """Wait for a launched step: sampled ids [S] and (token logprob, top ids, top logprobs),
+        or None for those when no row of the step asked for logprobs (nothing is copied then)."""
+        if not with_logprobs:
+            return np.asarray(out.token_ids.addressable_data(0)), None
         return self.unpack(self.to_host(out))
 
     def execute(self, plan: StepPlan) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
