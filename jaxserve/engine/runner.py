@@ -12,7 +12,6 @@ temporary, and returns each row's target logprob and top-n. Ordinary steps take 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -27,7 +26,8 @@ from tqdm.auto import tqdm
 from jaxserve.attention import (KV_LAYOUT_PAGES, AttentionMetadata, get_attention_fn, pool_layout, pool_shape,
                                 with_pool_layout, write_kv)
 from jaxserve.engine.buckets import Buckets
-from jaxserve.engine.sampler import SampleOutput, SamplingArrays, empty_sampling_arrays, sample
+from jaxserve.engine.sampler import (SampleOutput, SamplingArrays, empty_sampling_arrays, pack_sampling,
+                                     packed_sampling_size, sample, unpack_sampling)
 from jaxserve.engine.scheduler import StepPlan
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.models.llama import LlamaForCausalLM
@@ -99,6 +99,31 @@ def prompt_logprobs(model: LlamaForCausalLM, hidden: jax.Array, targets: jax.Arr
     return jax.lax.cond(jnp.any(targets >= 0), compute, skip, hidden, targets)
 
 
+def packed_step_size(T: int, S: int, P: int) -> int:
+    return 5 * T + S * (P + 3) + 2
+
+
+def pack_step(tokens: np.ndarray, md: AttentionMetadata, logits_indices: np.ndarray, targets: np.ndarray,
+              token_src: np.ndarray) -> np.ndarray:
+    """A step's int32 inputs as one flat array: one transfer instead of ten (see unpack_step)."""
+    return np.concatenate([tokens, md.positions, md.slot_mapping, targets, token_src, md.kv_lens,
+                           logits_indices, md.cu_q_lens, md.num_seqs,
+                           md.page_tables.reshape(-1)]).astype(np.int32, copy=False)
+
+
+def unpack_step(buf: jax.Array, T: int, S: int, P: int) -> tuple:
+    """(tokens, metadata, logits indices, prompt targets, token sources) of a pack_step buffer."""
+    sizes = (T, T, T, T, T, S, S, S + 1, 1, S * P)
+    parts, off = [], 0
+    for n in sizes:
+        parts.append(buf[off: off + n])
+        off += n
+    tokens, positions, slots, targets, token_src, kv_lens, logits_indices, cu, num_seqs, tables = parts
+    md = AttentionMetadata(positions=positions, slot_mapping=slots, kv_lens=kv_lens,
+                           page_tables=tables.reshape(S, P), cu_q_lens=cu, num_seqs=num_seqs)
+    return tokens, md, logits_indices, targets, token_src
+
+
 class ModelRunner:
     """Runs steps of one model replica. With a mesh, the parameters are expected sharded on it
     already; the pool is split over KV heads and attention and the KV write run per shard."""
@@ -130,8 +155,8 @@ class ModelRunner:
         self.kv_cache = jax.jit(lambda: jnp.zeros(self.kv_shape, model.dtype), out_shardings=self._kv_sharding)()
         self.graphdef, self.state = nnx.split(model)
 
-        def step(state, kv_cache, tokens, md: AttentionMetadata, logits_indices, prompt_targets, token_src,
-                 prev_ids):
+        def step(state, kv_cache, packed, prev_ids, *, bucket):
+            tokens, md, logits_indices, prompt_targets, token_src = unpack_step(packed, *bucket)
             # Decodes planned while the previous step ran take their input from its sampled ids.
             tokens = jnp.where(token_src >= 0, prev_ids[jnp.maximum(token_src, 0)], tokens)
             m = nnx.merge(self.graphdef, state)
@@ -143,15 +168,15 @@ class ModelRunner:
         # process of a multi-host mesh can read them from its own devices.
         rep = self._input_sharding
         out_shardings = None if mesh is None else (self._kv_sharding, rep, rep)
-        self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
+        self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings, static_argnames=("bucket",))
         # The sampler is a jit of its own, per sequence bucket S: it takes seconds to compile
         # (several sampling paths), and inside the step every (T, S, P) bucket would pay that.
         # Sampled ids also come back padded to the widest sequence bucket: the next step's
         # `prev_ids`, one shape whatever the bucket of the step that sampled them.
         self.max_seqs = max(buckets.seqs_for(t) for t in buckets.token_buckets)
 
-        def sample_padded(logits, samp, prev_ids):
-            out = sample(logits, samp, prev_ids)
+        def sample_padded(logits, packed, history, prev_ids):
+            out = sample(logits, unpack_sampling(packed, logits.shape[0], history), prev_ids)
             return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids)
 
         self._sample = jax.jit(sample_padded, out_shardings=rep)
@@ -186,14 +211,17 @@ class ModelRunner:
         """The compiled model step of this bucket and the compiled sampler of its S."""
         if bucket not in self._compiled:
             t0 = time.perf_counter()
-            state, kv, tokens, md, logits_indices, samp, targets, token_src, prev_ids = self._abstract_args(*bucket)
-            self._compiled[bucket] = self._step.lower(state, kv, tokens, md, logits_indices, targets, token_src,
-                                                      prev_ids).compile()
+            rep = self._input_sharding
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731
+            kv = jax.ShapeDtypeStruct(self.kv_shape, self.model.dtype, sharding=self._kv_sharding)
+            prev_ids = i32(self.max_seqs)
+            self._compiled[bucket] = self._step.lower(self.state, kv, i32(packed_step_size(*bucket)), prev_ids,
+                                                      bucket=bucket).compile()
             S = bucket[1]
             if S not in self._compiled_samplers:
-                logits = jax.ShapeDtypeStruct((S, self.model.cfg.vocab_size), jnp.float32,
-                                              sharding=self._input_sharding)
-                self._compiled_samplers[S] = self._sample.lower(logits, samp, prev_ids).compile()
+                logits = jax.ShapeDtypeStruct((S, self.model.cfg.vocab_size), jnp.float32, sharding=rep)
+                self._compiled_samplers[S] = self._sample.lower(logits, i32(packed_sampling_size(S)),
+                                                                i32(S, self.history_len), prev_ids).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[bucket], self._compiled_samplers[bucket[1]]
 
@@ -240,11 +268,12 @@ class ModelRunner:
         step_fn, sample_fn = self.compile_bucket(bucket)
         tokens, md, logits_indices, samp, targets, token_src = inputs
         prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
-        if samp.history is None:
-            samp = dataclasses.replace(samp, history=self._empty_history(bucket[1]))
-        self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, tokens, md,
-                                                                    logits_indices, targets, token_src, prev_ids)
-        out, self.last_sampled_ids = sample_fn(logits, samp, prev_ids)
+        history = self._empty_history(bucket[1]) if samp.history is None else samp.history
+        # Two host-to-device transfers a step (plus the history, when a row uses penalties).
+        step_buf, samp_buf = jax.device_put((pack_step(tokens, md, logits_indices, targets, token_src),
+                                             pack_sampling(samp)), self._input_sharding)
+        self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
+        out, self.last_sampled_ids = sample_fn(logits, samp_buf, history, prev_ids)
         # Start the copies back now: by the time the host reads them (a step later, with
         # overlap) they are there, instead of one blocking transfer per array at fetch time.
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if np.any(samp.want_logprobs) \

@@ -77,6 +77,45 @@ def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = 
     )
 
 
+# The host sends a step's sampling arrays, all but the history, as one int32 buffer (one
+# transfer instead of one per field); floats and unsigned ints travel bit for bit.
+_PACKED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seeds", "steps", "prompt_lens", "banned", "want_logprobs",
+                  "pending_src", "pending_col")
+_PACKED_DTYPES = {k: v.dtype for k, v in empty_sampling_arrays(1, 1).items()}
+
+
+def packed_sampling_size(num_rows: int) -> int:
+    return num_rows * (len(_PACKED_FIELDS) - 1 + MAX_BANNED)
+
+
+def pack_sampling(samp: dict[str, np.ndarray] | SamplingArrays) -> np.ndarray:
+    """Every field but the history, as one flat int32 array (see unpack_sampling)."""
+    get = samp.__getitem__ if isinstance(samp, dict) else lambda k: getattr(samp, k)
+    parts = []
+    for name in _PACKED_FIELDS:
+        a = np.asarray(get(name))
+        parts.append((a.astype(np.int32) if a.dtype == np.bool_ else a).reshape(-1).view(np.int32))
+    return np.concatenate(parts)
+
+
+def unpack_sampling(buf: jax.Array, num_rows: int, history: jax.Array) -> SamplingArrays:
+    """The SamplingArrays of a pack_sampling buffer (on device, inside the sampler's jit)."""
+    fields, off = {}, 0
+    for name in _PACKED_FIELDS:
+        shape = (num_rows, MAX_BANNED) if name == "banned" else (num_rows,)
+        n = int(np.prod(shape))
+        x = buf[off: off + n].reshape(shape)
+        off += n
+        dtype = _PACKED_DTYPES[name]
+        if dtype == np.bool_:
+            x = x != 0
+        elif dtype != np.int32:
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+        fields[name] = x
+    return SamplingArrays(history=history, **fields)
+
+
 def _history_with_pending(s: SamplingArrays, prev_ids: jax.Array | None) -> jax.Array:
     """The history with each row's pending token (sampled by the previous step) filled in."""
     if prev_ids is None:
