@@ -1,7 +1,14 @@
-"""GGUF files (llama.cpp): metadata to ModelConfig, tensors dequantized with the `gguf` package."""
+"""GGUF files (llama.cpp): metadata to ModelConfig, tensors dequantized with the `gguf` package.
+
+Families: Llama (SmolLM2), Mistral, Qwen2, Qwen3, the mixture-of-experts Qwen3-MoE (`qwen3moe`),
+Qwen2-MoE (`qwen2moe`) and Mixtral (stored as `llama` with `llama.expert_count`), and Gemma 3 text
+(`gemma3`). The file is read the way llama.cpp reads it: what its converter (convert_hf_to_gguf.py)
+leaves out of the metadata is what llama.cpp hard-codes, and we assume the same values.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +22,42 @@ from jaxserve.models.llama import ModelConfig
 from jaxserve.models.registry import config_from_hf
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"  # `llama` with experts: the converter files Mixtral under llama
+# The converter interleaves the rotary halves of q/k rows only for the Llama class (Llama,
+# Mistral, Mixtral); Qwen2/3, their MoE and Gemma 3 are written as HF has them.
+PERMUTED_QK_ARCHS = ("llama", "mistral")
 # GGUF tensor name (after "blk.N.") -> HF per-layer suffix.
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # MoE: the router and Qwen2-MoE's shared expert with its sigmoid gate.
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma 3's four norms: there `ffn_norm` is the MLP's input norm (HF pre_feedforward_layernorm).
+GEMMA3_LAYER_NAMES = {**GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+# Experts stacked per layer, [X, out, in] in numpy order -> our stacked names.
+GGUF_EXPERT_STACKS = {"ffn_gate_exps": "we_gate", "ffn_up_exps": "we_up", "ffn_down_exps": "we_down"}
+# Mixtral files written before experts were stacked: one tensor per expert, `ffn_gate.3`.
+_PER_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)$")
+_PER_EXPERT_HF = {"gate": "w1", "up": "w3", "down": "w2"}
 GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                      "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+# Gemma 3 constants llama.cpp hard-codes, as its converter does not write them: every 6th layer
+# global and a query scale of head_dim ** -0.5, except for the 62-layer 27B model, where it is
+# (hidden / heads) ** -0.5. The local RoPE base is 1e4 there too; current converters also write it
+# (`rope.freq_base_swa`), older ones did not.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_27B_LAYERS = 62
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -35,7 +68,16 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
         return bytes(f.parts[f.data[0]]).decode()
     if f.types[0] == GGUFValueType.ARRAY:
         return [f.parts[i].tolist()[0] for i in f.data]
+    if f.types[0] == GGUFValueType.FLOAT32:
+        # The shortest decimal that rounds to this float32 (1e-06, not 9.99999997e-07): the
+        # value the HF config had, so that both loaders give equal configs.
+        return float(str(f.parts[f.data[0]][0]))
     return f.parts[f.data[0]].tolist()[0]
+
+
+def _dims(t: Any) -> list[int]:
+    """A tensor's shape in numpy order (GGUF lists dims fastest-first)."""
+    return [int(d) for d in reversed(t.shape)]
 
 
 def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
@@ -44,28 +86,83 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    names = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
     heads = g("attention.head_count")
     hidden = g("embedding_length")
-    cfg = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "vocab_size": g("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", [])),
+    layers = g("block_count")
+    experts = g("expert_count", 0) or 0
+    hf_arch = MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
+    # The embedding's rows are the vocabulary: llama.cpp's converter trims Gemma 3's unused rows,
+    # and not every family writes `vocab_size`.
+    embed = tensors.get("token_embd.weight")
+    vocab = _dims(embed)[0] if embed is not None else (
+        g("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", [])))
+    gemma = arch == "gemma3"
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": g("feed_forward_length"),
-        "num_hidden_layers": g("block_count"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": g("attention.head_count_kv", heads),
         "head_dim": g("attention.key_length", hidden // heads),
-        "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": g("rope.freq_base", 10000.0),
+        "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5),
+        "rope_theta": g("rope.freq_base", 1_000_000.0 if gemma else 10000.0),
         "max_position_embeddings": g("context_length", 2048),
-        "tie_word_embeddings": "output.weight" not in names,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if arch == "llama" and g("rope.scaling.type") == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+    scaling = g("rope.scaling.type")
+    if scaling not in (None, "none"):  # types our RoPE lacks (yarn) are refused by rope_inv_freq
+        cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(g("rope.scaling.factor", 1.0))}
+    if experts:
+        cfg.update(_gguf_moe_fields(arch, g, tensors, experts))
+    if gemma:
+        cfg.update(_gguf_gemma3_fields(g, layers, hidden, heads, cfg["head_dim"]))
     return cfg
+
+
+def _gguf_moe_fields(arch: str, g: Any, tensors: dict[str, Any], experts: int) -> dict[str, Any]:
+    def width(name: str, key: str) -> int | None:
+        """Metadata first, else the first layer's tensor ([X,] F, E in numpy order)."""
+        if g(key):
+            return int(g(key))
+        t = tensors.get(f"blk.0.{name}.weight")
+        return _dims(t)[-2] if t is not None else None
+
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": g("expert_used_count"),
+        # Mixtral's experts are `feed_forward_length` wide; Qwen-MoE writes its own key.
+        "moe_intermediate_size": width("ffn_gate_exps", "expert_feed_forward_length") or g("feed_forward_length"),
+        # llama.cpp renormalises the chosen k for Qwen3-MoE (and Mixtral) and not for Qwen2-MoE,
+        # whatever the HF config said; `expert_weights_norm` overrides where a file has it.
+        "norm_topk_prob": bool(g("expert_weights_norm", arch != "qwen2moe")),
+    }
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = width("ffn_gate_shexp", "expert_shared_feed_forward_length") or 0
+    return fields
+
+
+def _gguf_gemma3_fields(g: Any, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    # A later llama.cpp honours a file without a window as all-global; we do the same.
+    window = g("attention.sliding_window") or None
+    pattern = g("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):  # per layer, true = sliding
+        kinds = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        kinds = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+    fields: dict[str, Any] = {
+        "layer_types": kinds,
+        "sliding_window": window,
+        "rope_local_base_freq": float(g("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
+        "final_logit_softcapping": g("final_logit_softcapping"),
+        "attn_logit_softcapping": g("attn_logit_softcapping"),
+    }
+    return fields
 
 
 def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
@@ -74,27 +171,53 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _dense_mlp_layers(reader: GGUFReader) -> list[int]:
+    return sorted({int(t.name.split(".")[1]) for t in reader.tensors
+                   if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.weight", t.name)})
+
+
 def load_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and stacked weights (in `dtype`) of a GGUF file, with llama.cpp's edits undone."""
     reader = GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
     hf = gguf_hf_config(reader)
     cfg = config_from_hf(hf)
-    permute_qk = hf["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM")
+    if cfg.is_moe and (dense := _dense_mlp_layers(reader)):
+        # One MLP kind for every layer under the stacked scan, as for safetensors (registry._moe_fields).
+        raise ValueError(f"{path.name}: layers {dense} have a dense MLP; only all-sparse MoE files are supported")
+    permute_qk = arch in PERMUTED_QK_ARCHS
+    layer_names = GEMMA3_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES
+    # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w; our norms add the 1 themselves
+    # (norm_offset), as HF does, so the config matches the HF directory's and bf16 keeps w's precision.
+    norm_shift = 1.0 if arch == "gemma3" else 0.0
     stacked = StackedParams(cfg, dtype)
     for t in progress(reader.tensors, "dequantizing GGUF", unit="tensor"):  # a bar only on a terminal
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
             base, _, kind = rest.rpartition(".")
-            if base not in GGUF_LAYER_NAMES:
+            if base in GGUF_EXPERT_STACKS:
+                stacked.add_expert_stack(int(layer), GGUF_EXPERT_STACKS[base], _dequantize(t), t.name)
                 continue
-            hf_name = f"model.layers.{layer}.{GGUF_LAYER_NAMES[base]}.{kind}"
+            if m := _PER_EXPERT_RE.match(base):
+                hf_name = f"model.layers.{layer}.block_sparse_moe.experts.{m[2]}.{_PER_EXPERT_HF[m[1]]}.{kind}"
+            elif base in layer_names:
+                hf_name = f"model.layers.{layer}.{layer_names[base]}.{kind}"
+            else:
+                continue
         elif t.name in GGUF_GLOBAL_NAMES:
-            hf_name, base = GGUF_GLOBAL_NAMES[t.name], None
+            hf_name, base = GGUF_GLOBAL_NAMES[t.name], t.name.rpartition(".")[0]
         else:
             continue
-        # GGUF lists dims fastest-first; dequantize gives numpy order, i.e. HF's [out, in].
-        value = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        value = _dequantize(t)
         if permute_qk and base in ("attn_q", "attn_k"):
             heads = cfg.num_heads if base == "attn_q" else cfg.num_kv_heads
             value = _unpermute_rope(value, heads)
+        if norm_shift and base.endswith("norm"):
+            value = value - np.float32(norm_shift)  # float32, before any cast to the serving dtype
         stacked.add(hf_name, value)
     return cfg, stacked.finish()
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    """Float32 in numpy order, HF's [out, in] (experts [X, out, in])."""
+    return dequantize(t.data, t.tensor_type).reshape(_dims(t))

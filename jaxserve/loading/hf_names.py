@@ -87,17 +87,26 @@ class StackedParams:
             self.seen_experts.add((name, layer, expert))
             return True
         if suffix in _FUSED_EXPERTS:
-            X = self.cfg.num_experts
             if _FUSED_EXPERTS[suffix] == "gate_up":
                 F = value.shape[1] // 2
                 parts = {"we_gate": value[:, :F], "we_up": value[:, F:]}
             else:
                 parts = {"we_down": value}
             for name, part in parts.items():
-                self._put(name, (layer,), np.swapaxes(part, 1, 2), hf_name)
-                self.seen_experts.update((name, layer, e) for e in range(X))
+                self.add_expert_stack(layer, name, part, hf_name)
             return True
         return False
+
+    def add_expert_stack(self, layer: int, name: str, value: np.ndarray, source: str) -> None:
+        """All of one layer's experts of one projection at once: value [X, out, in] (each expert's
+        [out, in] stacked on a leading axis, as transformers 5 fuses them and GGUF stores them) into
+        our [X, in, out] slot, one strided copy with no per-expert split. name: we_gate, we_up, we_down."""
+        if name not in EXPERT_NAMES.values():
+            raise ValueError(f"{source!r}: {name!r} is not an expert weight")
+        if layer >= self.cfg.num_layers:
+            raise ValueError(f"{source!r}: layer {layer} is past the config's {self.cfg.num_layers} layers")
+        self._put(name, (layer,), np.swapaxes(value, 1, 2), source)
+        self.seen_experts.update((name, layer, e) for e in range(self.cfg.num_experts))
 
     def add(self, hf_name: str, tensor: np.ndarray) -> None:
         m = _LAYER_RE.match(hf_name)
