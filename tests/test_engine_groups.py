@@ -20,6 +20,9 @@ def tiny_llama(tmp_path_factory):
 
 
 def make_engine(path: str, **kw) -> LLMEngine:
+    # Synchronous: these tests count the steps a request takes, and with overlapped scheduling
+    # a step's results come back from the next call (test_engine_overlap covers that engine).
+    kw.setdefault("async_scheduling", False)
     opts = small_engine_options(max_num_seqs=32, **kw)
     opts.pop("show_progress")
     return LLMEngine(EngineConfig(model=path, **opts), show_progress=False)
