@@ -88,29 +88,61 @@ def run_variant(llm, name: str, seqs: int, max_tokens: int, overlap: bool) -> di
                 output_tok_s=generated / wall, wall_s=wall)
 
 
-def launch_floor(llm, seqs: int, repeats: int = 50) -> dict:
-    """Wall time per step of one steady-state decode plan launched `repeats` times in a row with
-    no scheduling or output work between (the engine is left unusable: run last)."""
+def launch_floor(llm, seqs: int, max_tokens: int, repeats: int = 50) -> dict:
+    """One steady-state decode plan launched `repeats` times in a row with no scheduling or output
+    work between (the engine is left unusable: run last), split into its parts:
+      launch   wall time per launch until the last result is ready (the floor of a step),
+      dispatch time until the launch calls return (host side of a launch),
+      pack     packing the inputs and starting their transfer,
+      model / sampler   each compiled function alone on device-resident inputs."""
     import jax
-
     from jaxserve import SamplingParams
+    from jaxserve.engine.runner import pack_step
+    from jaxserve.engine.sampler import pack_sampling
 
     engine = llm.engine
     engine.overlap = True
     for i in range(seqs):
         engine.add_request(f"floor-{i}", [1] + [(37 * i + 11 * j) % 4000 + 3 for j in range(15)],
-                           SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    for _ in range(4):
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    while True:  # until the step in flight is a full pure decode (the prompts are prefilled)
         engine.step()
-    launched = engine._in_flight[0]
-    runner = launched.replica.runner
-    out = runner.launch(launched.plan, launched.sampled_ids)
-    jax.block_until_ready(out)
+        launched = engine._in_flight[0]
+        if launched.plan.num_tokens == len(launched.plan.seqs) == seqs:
+            break
+    runner, plan, prev = launched.replica.runner, launched.plan, launched.sampled_ids
+
+    def per_call(fn) -> float:
+        jax.block_until_ready(fn())
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            out = fn()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / repeats * 1e3
+
+    result = dict(repeats=repeats, launch_ms=per_call(lambda: runner.launch(plan, prev)))
     t0 = time.perf_counter()
     for _ in range(repeats):
-        out = runner.launch(launched.plan, launched.sampled_ids)
+        out = runner.launch(plan, prev)
+    result["dispatch_ms"] = (time.perf_counter() - t0) / repeats * 1e3
     jax.block_until_ready(out)
-    return dict(launch_ms=(time.perf_counter() - t0) / repeats * 1e3, repeats=repeats)
+    tokens, md, logits_idx, samp, targets, token_src = runner.step_inputs(plan, host_history=False)
+    result["pack_ms"] = per_call(lambda: jax.device_put((pack_step(tokens, md, logits_idx, targets, token_src),
+                                                         pack_sampling(samp))))
+    step_fn, sample_fn = runner.compile_bucket(plan.bucket)
+    step_buf, samp_buf = jax.device_put((pack_step(tokens, md, logits_idx, targets, token_src),
+                                         pack_sampling(samp)))
+
+    def model_only():
+        runner.kv_cache, logits, _ = step_fn(runner.state, runner.kv_cache, step_buf, prev)
+        return logits
+
+    result["model_ms"] = per_call(model_only)
+    logits = model_only()
+    history = runner._empty_history(plan.bucket[1])
+    result["sampler_ms"] = per_call(lambda: sample_fn(logits, samp_buf, history, prev))
+    result["bucket"] = list(plan.bucket)
+    return result
 
 
 def main() -> int:
@@ -157,9 +189,11 @@ def main() -> int:
                   + f" | {o['step_ms']:8.2f} {o['exposed_host_ms']:8.2f} {100 * o['idle_frac']:5.1f}% "
                   + (f"{ovl['late_over_early']:10.2f} {ovl['output_tok_s']:8.0f}" if part == "late" else ""),
                   flush=True)
-    floor = launch_floor(llm, a.seqs)
-    print(f"the same decode step launched back to back, no host work between: {floor['launch_ms']:.2f} ms "
-          f"a step (dispatch + device: the floor of a step's wall time)", flush=True)
+    floor = launch_floor(llm, a.seqs, a.max_tokens)
+    print(f"one decode step (bucket {floor['bucket']}) launched {floor['repeats']} times back to back, no host work "
+          f"between, ms per launch: until ready {floor['launch_ms']:.2f} (the floor of a step), until the calls "
+          f"return {floor['dispatch_ms']:.2f}; packing + transfer {floor['pack_ms']:.2f}, model step alone "
+          f"{floor['model_ms']:.2f}, sampler alone {floor['sampler_ms']:.2f}", flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, startup_s=startup,
