@@ -48,7 +48,9 @@ class LLM:
                 rid = engine.new_request_id()
                 ids = [rid] if p.n == 1 else [f"{rid}-{i}" for i in range(p.n)]
                 for i, sub in enumerate(ids):
-                    engine.add_request(sub, prompt, p, seed_offset=i, group_id=rid if p.n > 1 else None)
+                    # Only final outputs are kept: the others need not copy what grew so far.
+                    engine.add_request(sub, prompt, p, seed_offset=i, group_id=rid if p.n > 1 else None,
+                                       cumulative=False)
                 groups.append(ids)
         except Exception:
             for ids in groups:

@@ -53,7 +53,9 @@ def run_variant(llm, name: str, seqs: int, max_tokens: int, overlap: bool) -> di
     engine.overlap = overlap  # safe to switch with nothing in flight
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **VARIANTS[name])
     for i in range(seqs):
-        engine.add_request(f"{name}-{i}", [1] + [(37 * i + 11 * j) % 4000 + 3 for j in range(15)], params)
+        # As the servers' streams and LLM.generate ask: deltas until the final output.
+        engine.add_request(f"{name}-{i}", [1] + [(37 * i + 11 * j) % 4000 + 3 for j in range(15)], params,
+                           cumulative=False)
     engine.step_timings.clear()
     rows = []  # (seqs in step, tokens in step, prepare, device, collect)
     t_start = time.perf_counter()

@@ -161,3 +161,33 @@ def test_preempted_request_keeps_the_token_of_the_step_in_flight(engines):
                        use_tqdm=False)[0].outputs[0].token_ids
     assert final == ref and req.num_preemptions == 1
     engine.check_invariants()
+
+
+def test_delta_outputs_add_up_to_the_final_one(engines):
+    """cumulative=False (what the servers' streams ask for): outputs before the final one carry
+    only their deltas, and those add up to the final output, logprobs included."""
+    llm, _ = engines
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    for i, params in enumerate([SamplingParams(max_tokens=20, temperature=0.8, seed=5, logprobs=2, ignore_eos=True),
+                                SamplingParams(max_tokens=30, temperature=0.0, stop=[" the "])]):
+        engine.add_request(f"d{i}", tok(PROMPTS[i]).input_ids, params, cumulative=False)
+        engine.add_request(f"c{i}", tok(PROMPTS[i]).input_ids, params)
+    text, ids, lps, finals = {}, {}, {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            rid = out.request_id
+            text[rid] = text.get(rid, "") + out.delta_text
+            ids[rid] = ids.get(rid, []) + out.delta_token_ids
+            lps[rid] = lps.get(rid, []) + (out.delta_logprobs or [])
+            if out.finished:
+                finals[rid] = out.outputs[0]
+            elif rid.startswith("d"):
+                c = out.outputs[0]
+                assert c.text == "" and c.token_ids == [] and c.logprobs is None
+    for i in range(2):
+        d, c = finals[f"d{i}"], finals[f"c{i}"]
+        assert (d.text, d.token_ids, d.finish_reason, d.logprobs) == (c.text, c.token_ids, c.finish_reason, c.logprobs)
+        assert text[f"d{i}"] == d.text and ids[f"d{i}"] == d.token_ids
+        assert lps[f"d{i}"] == (d.logprobs or [])
+    engine.check_invariants()

@@ -69,12 +69,14 @@ class AsyncEngine:
     # ---- public API -------------------------------------------------------------------------
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-        priority: int = 0, prompt_text: str | None = None,
+        priority: int = 0, prompt_text: str | None = None, cumulative: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs until the request finishes. With n > 1, each completion's
         outputs arrive tagged with its index (outputs[0].index). `request_id` is the client's
         label (unique among requests in flight); outputs carry it as their request_id. Leaving
-        the loop aborts the request. `prompt_text`: the text token-id `prompt` came from."""
+        the loop aborts the request. `prompt_text`: the text token-id `prompt` came from.
+        `cumulative=False`: outputs before the final one carry only their deltas (see
+        LLMEngine.add_request)."""
         if not self.accepting:
             raise EngineDeadError("the engine is shutting down")
         arrival = time.monotonic()  # before waiting for the engine's lock: that wait is queueing too
@@ -85,7 +87,7 @@ class AsyncEngine:
         label = request_id or server_id
         sub_ids = [server_id] if params.n == 1 else [f"{server_id}.{i}" for i in range(params.n)]
         submit = loop.run_in_executor(None, self._submit, server_id, label, request_id is not None, sub_ids, prompt,
-                                      params, priority, loop, queue, arrival, prompt_text)
+                                      params, priority, loop, queue, arrival, prompt_text, cumulative)
         try:
             await asyncio.shield(submit)
         except asyncio.CancelledError:  # the client left while we waited for the lock: undo it once it lands
@@ -164,7 +166,7 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, server_id, label, client_label, sub_ids, prompt, params, priority, loop, queue, arrival,
-                prompt_text) -> None:
+                prompt_text, cumulative) -> None:
         with self._count_lock:
             if client_label:  # only clients' own ids are labels to look up (server ids are unique already)
                 if label in self._labels:
@@ -184,7 +186,8 @@ class AsyncEngine:
                 for i, rid in enumerate(sub_ids):
                     self.engine.add_request(rid, prompt, params, priority=priority, seed_offset=i,
                                             group_id=server_id if len(sub_ids) > 1 else None,
-                                            arrival_time=arrival, prompt_text=prompt_text)
+                                            arrival_time=arrival, prompt_text=prompt_text,
+                                            cumulative=cumulative)
                     self._streams[rid] = _Stream(loop, queue, i, label)
                     added.append(rid)
             except BaseException:

@@ -60,6 +60,8 @@ class RequestOutput:
     # Set when this request alone failed inside the engine (its inputs could not be prepared):
     # the request is finished with finish_reason "abort" and the front ends report the error.
     error: str | None = None
+    # With SamplingParams.logprobs: the dicts of delta_token_ids (what a stream sends).
+    delta_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -75,6 +77,9 @@ class _Tracked:
     text: str = ""
     sent_prompt_logprobs: bool = False
     logprob_dicts: list[dict[int, float]] = field(default_factory=list)  # built once per token
+    # False: outputs before the final one carry only the deltas (their outputs[0] is empty), so
+    # that a step's work per request does not grow with the length of its output.
+    cumulative: bool = True
 
 
 def _encode_prompt(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> tuple[str | None, list[int]]:
@@ -214,10 +219,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     priority: int = 0, seed_offset: int = 0, group_id: str | None = None,
-                    arrival_time: float | None = None, prompt_text: str | None = None) -> Request:
+                    arrival_time: float | None = None, prompt_text: str | None = None,
+                    cumulative: bool = True) -> Request:
         """Validate and queue one sequence. (n > 1 is expanded by the callers into n requests.)
         `prompt_text`: the text a token-id `prompt` was tokenized from by the caller (front ends
-        tokenize outside the engine lock), reported back as RequestOutput.prompt."""
+        tokenize outside the engine lock), reported back as RequestOutput.prompt. `cumulative`:
+        every output's outputs[0] holds the text, token ids and logprobs so far (else only the
+        final one does, and the others carry just the deltas: what streaming front ends use)."""
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = _encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
@@ -240,7 +248,7 @@ class LLMEngine:
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         replica = self._choose_replica(group_id)
-        self._tracked[request_id] = _Tracked(req, text, detok, replica)
+        self._tracked[request_id] = _Tracked(req, text, detok, replica, cumulative=cumulative)
         replica.scheduler.add(req)
         replica.num_requests += 1
         return req
@@ -378,21 +386,24 @@ class LLMEngine:
         t.emitted_tokens = len(req.output_token_ids)
         if finished:
             self._tracked.pop(req.request_id, None)
-        logprobs = None
+        logprobs = delta_logprobs = None
+        whole = finished or t.cumulative  # copies that grow with the output: only when asked for
         if p.logprobs is not None:
             # Only the new tokens' dicts are built; the list handed out is a shallow copy.
             done = len(t.logprob_dicts)
-            t.logprob_dicts += [{tok: lp, **dict(zip(ids, lps))} for tok, (lp, ids, lps)
-                                in zip(req.output_token_ids[done:], req.output_logprobs[done:])]
-            logprobs = list(t.logprob_dicts)
-        completion = CompletionOutput(0, t.text, list(req.output_token_ids),
+            delta_logprobs = [{tok: lp, **dict(zip(ids, lps))} for tok, (lp, ids, lps)
+                              in zip(req.output_token_ids[done:], req.output_logprobs[done:])]
+            t.logprob_dicts += delta_logprobs
+            logprobs = list(t.logprob_dicts) if whole else None
+        completion = CompletionOutput(0, t.text if whole else "", list(req.output_token_ids) if whole else [],
                                       req.finish_reason if finished else None, req.stop_reason, logprobs)
         queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
         prompt_lps = None
         if req.prompt_logprobs is not None and not t.sent_prompt_logprobs:
             prompt_lps, t.sent_prompt_logprobs = list(req.prompt_logprobs), True
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, delta_text, delta_ids, queued, prompt_logprobs=prompt_lps)
+                             req.num_cached_tokens, delta_text, delta_ids, queued, prompt_logprobs=prompt_lps,
+                             delta_logprobs=delta_logprobs)
 
     def discard_in_flight(self) -> None:
         """Forget launched steps unread: only after every request in them was aborted (shutdown,

@@ -126,7 +126,8 @@ async def stream_outputs(
     request_id: str | None = None, priority: int = 0, prompt_text: str | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """Run one request, translating engine errors into client errors and recording metrics.
-    Requests refused at admission (400, 429, 503) are not counted as finished requests."""
+    Requests refused at admission (400, 429, 503) are not counted as finished requests. Outputs
+    before the final one carry only their deltas (delta_text, delta_token_ids, delta_logprobs)."""
     if engine is None or not engine.accepting:
         raise NotReady("the server is not ready (loading, compiling or shutting down)")
     timer = RequestTimer(metrics)
@@ -134,7 +135,7 @@ async def stream_outputs(
     refused = False  # at admission: not a finished request, not a latency
     try:
         async for out in engine.generate(prompt, params, request_id=request_id, priority=priority,
-                                         prompt_text=prompt_text):
+                                         prompt_text=prompt_text, cumulative=False):
             if out.error is not None:
                 raise EngineFailure(f"the engine failed this request: {out.error}")
             timer.on_scheduled(out.queue_seconds)

@@ -102,9 +102,8 @@ class GenerationService:
                 comp = out.outputs[0]
                 msg = pb.GenerateResponse(request_id=out.request_id, index=comp.index, text=out.delta_text,
                                           token_ids=out.delta_token_ids)
-                if comp.logprobs:
-                    new = comp.logprobs[len(comp.token_ids) - len(out.delta_token_ids):]
-                    for tok, entry in zip(out.delta_token_ids, new):
+                if out.delta_logprobs:
+                    for tok, entry in zip(out.delta_token_ids, out.delta_logprobs):
                         msg.logprobs.append(pb.TokenLogprob(
                             token_id=tok, logprob=entry[tok],
                             top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.items()]))

@@ -507,7 +507,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                     return
                 comp = item.outputs[0]
                 prompt_lens.setdefault(pi, len(item.prompt_token_ids))
-                produced[(pi, comp.index)] = len(comp.token_ids)
+                produced[(pi, comp.index)] = produced.get((pi, comp.index), 0) + len(item.delta_token_ids)
                 if chat and not sent:  # OpenAI's first chunk: every choice's role, before any content
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None} for i in range(len(prompts) * params.n)], usage_so_far())
@@ -525,9 +525,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 else:
                     choice = {"index": index, "text": item.delta_text}
                 choice["logprobs"] = None
-                if comp.logprobs and item.delta_token_ids:
-                    n_new = len(item.delta_token_ids)
-                    part = Completion(token_ids=item.delta_token_ids, logprobs=comp.logprobs[-n_new:])
+                if item.delta_logprobs and item.delta_token_ids:
+                    part = Completion(token_ids=item.delta_token_ids, logprobs=item.delta_logprobs)
                     choice["logprobs"] = logprobs_json(part, tok, chat)
                 choice["finish_reason"] = comp.finish_reason if item.finished else None
                 if want_ids:
