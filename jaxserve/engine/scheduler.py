@@ -330,9 +330,8 @@ class Scheduler:
         if not scheduled:
             return None
         uses_penalties = any(s.request.params.uses_penalties for s in scheduled)
-        failed: list[ScheduledSeq] = []
-        samp = None
-        for attempt in range(2):
+        while True:  # once more without any request whose sampling values fail (rare)
+            failed: list[ScheduledSeq] = []
             num_tokens = sum(s.num_tokens for s in scheduled)
             max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
             T, S, P = self.buckets.pick(num_tokens, max_pages)
@@ -348,9 +347,7 @@ class Scheduler:
                     failed.append(s)
             if not failed:
                 break
-            # rare: rebuild without them, so that rows stay dense and in order
-            scheduled = [s for s in scheduled if all(s is not f for f in failed)]
-            failed = []
+            scheduled = [s for s in scheduled if all(s is not f for f in failed)]  # rows stay dense
             if not scheduled:
                 return None
         n = len(scheduled)
