@@ -181,7 +181,7 @@ class ModelRunner:
 
         self._sample = jax.jit(sample_padded, out_shardings=rep)
         self._empty_histories: dict[int, jax.Array] = {}
-        self._no_prev_ids = jax.device_put(np.zeros(self.max_seqs, np.int32), rep)
+        self._no_prev_ids = self._constant(np.zeros(self.max_seqs, np.int32))
         # The last launched step's sampled ids, padded (what a step planned during it reads).
         self.last_sampled_ids: Any = None
         self._compiled_samplers: dict[int, Any] = {}
@@ -270,8 +270,8 @@ class ModelRunner:
         prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
         history = self._empty_history(bucket[1]) if samp.history is None else samp.history
         # Two host-to-device transfers a step (plus the history, when a row uses penalties).
-        step_buf, samp_buf = jax.device_put((pack_step(tokens, md, logits_indices, targets, token_src),
-                                             pack_sampling(samp)), self._input_sharding)
+        step_buf = pack_step(tokens, md, logits_indices, targets, token_src)
+        samp_buf = pack_sampling(samp)
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
         out, self.last_sampled_ids = sample_fn(logits, samp_buf, history, prev_ids)
         # Start the copies back now: by the time the host reads them (a step later, with
@@ -282,11 +282,18 @@ class ModelRunner:
                 a.copy_to_host_async()
         return out
 
+    def _constant(self, value: np.ndarray) -> Any:
+        """`value` placed on this replica's devices once; a multi-host replica, whose devices this
+        process cannot all address, passes the host array to each call instead."""
+        sharding = self._input_sharding
+        if sharding is not None and not sharding.is_fully_addressable:
+            return value
+        return jax.device_put(value, sharding)
+
     def _empty_history(self, num_seqs: int) -> jax.Array:
         """A [num_seqs, history_len] array of -1 on the device, made once per sequence bucket."""
         if num_seqs not in self._empty_histories:
-            self._empty_histories[num_seqs] = jax.device_put(
-                np.full((num_seqs, self.history_len), -1, np.int32), self._input_sharding)
+            self._empty_histories[num_seqs] = self._constant(np.full((num_seqs, self.history_len), -1, np.int32))
         return self._empty_histories[num_seqs]
 
     @property
