@@ -120,10 +120,11 @@ def _history_with_pending(s: SamplingArrays, prev_ids: jax.Array | None) -> jax.
     """The history with each row's pending token (sampled by the previous step) filled in."""
     if prev_ids is None:
         return s.history
-    rows = jnp.arange(s.history.shape[0])
+    hist = jnp.asarray(s.history)
+    rows = jnp.arange(hist.shape[0])
     has = s.pending_src >= 0
     tok = prev_ids[jnp.maximum(s.pending_src, 0)]
-    return s.history.at[rows, s.pending_col].set(jnp.where(has, tok, s.history[rows, s.pending_col]))
+    return hist.at[rows, s.pending_col].set(jnp.where(has, tok, hist[rows, s.pending_col]))
 
 
 def _apply_penalties(logits: jax.Array, s: SamplingArrays, hist: jax.Array) -> jax.Array:
