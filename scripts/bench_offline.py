@@ -40,8 +40,12 @@ def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> 
     return out
 
 
-def bench_jaxserve(llm: LLM, prompts, output_lens: list[int], repeats: int) -> dict:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+SAMPLED = dict(temperature=0.8, top_p=0.95)  # --sampled: what clients that do not ask for greedy get
+
+
+def bench_jaxserve(llm: LLM, prompts, output_lens: list[int], repeats: int, sampled: bool = False) -> dict:
+    opts = [dict(SAMPLED, seed=i) for i in range(len(output_lens))] if sampled else [dict(temperature=0.0)] * len(output_lens)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **o) for n, o in zip(output_lens, opts)]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm
     times = []
     for _ in range(repeats):
@@ -98,6 +102,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also run continuous batching with temperature 0.8, top_p 0.95 (seeded per request)")
+    ap.add_argument("--sync", action="store_true",
+                    help="also run continuous batching with the synchronous engine (--no-async-scheduling)")
+    ap.add_argument("--no-static", action="store_true", help="skip the static-batching run")
     args = ap.parse_args()
 
     results: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "args": vars(args)}
@@ -111,26 +120,35 @@ def main() -> None:
     output_lens = [int(n) for n in rng.integers(args.min_output_len, args.max_output_len + 1, args.num_prompts)]
     t0 = time.perf_counter()
     results["jaxserve_continuous"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
-    for replica in llm.engine.replicas:
-        replica.scheduler.static = True
-    results["jaxserve_static"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
+    if args.sampled:
+        results["jaxserve_continuous_sampled"] = bench_jaxserve(llm, prompts, output_lens, args.repeats, sampled=True)
+    if args.sync:
+        llm.engine.overlap = False
+        results["jaxserve_continuous_sync"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
+        llm.engine.overlap = True
+    if not args.no_static:
+        for replica in llm.engine.replicas:
+            replica.scheduler.static = True
+        results["jaxserve_static"] = bench_jaxserve(llm, prompts, output_lens, args.repeats)
     if args.hf_batch:
         results["hf_transformers"] = bench_hf(prompts, output_lens, args.hf_batch)
     ref = results["jaxserve_continuous"]["outputs"]
-    for name in ("jaxserve_static", "hf_transformers"):
+    for name in ("jaxserve_continuous_sync", "jaxserve_static", "hf_transformers"):
         if name in results:
             same = sum(a == b for a, b in zip(ref, results[name]["outputs"]))
             results[name]["identical_to_continuous"] = f"{same}/{len(ref)}"
     print(f"\n{args.num_prompts} prompts, input {args.min_input_len}-{args.max_input_len} tokens, "
-          f"output {args.min_output_len}-{args.max_output_len} tokens (ignore_eos), greedy, f32, {results['machine']}")
+          f"output {args.min_output_len}-{args.max_output_len} tokens (ignore_eos), greedy unless named, f32, {results['machine']}")
     print(f"start-up (load + compile {len(llm.engine.buckets.all())} buckets): {results['startup_seconds']:.1f} s")
     print(f"{'system':24s} {'seconds':>9s} {'out tok/s':>10s}  same outputs as continuous")
-    for name in ("jaxserve_continuous", "jaxserve_static", "hf_transformers"):
+    names = ("jaxserve_continuous", "jaxserve_continuous_sampled", "jaxserve_continuous_sync", "jaxserve_static",
+             "hf_transformers")
+    for name in names:
         if name in results:
             r = results[name]
             print(f"{name:24s} {r['seconds']:9.2f} {r['tok_per_s']:10.1f}  {r.get('identical_to_continuous', '-')}")
     base = results["jaxserve_continuous"]["tok_per_s"]
-    for name in ("jaxserve_static", "hf_transformers"):
+    for name in names[1:]:
         if name in results:
             print(f"continuous / {name}: {base / results[name]['tok_per_s']:.2f}x")
     c = results["jaxserve_continuous"]
