@@ -61,7 +61,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     model_name = args.served_model_name or (Path(config.model).stem if config.model else "SmolLM2-135M-Instruct")
-    metrics = Metrics()
+    metrics = Metrics(model_name)
     holder: dict[str, AsyncEngine | None] = {"engine": None}
     get_engine = lambda: holder["engine"]  # noqa: E731
 

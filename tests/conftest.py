@@ -66,6 +66,22 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The server tests' model: a tiny random Llama with the default tokenizer (tests/server_utils.py)."""
+    from server_utils import make_full_vocab_tiny
+
+    return make_full_vocab_tiny(tmp_path_factory.mktemp("tiny15"))
+
+
+@pytest.fixture(scope="session")
+def xla_cache(tmp_path_factory) -> Path:
+    """One compilation cache for every server the session starts (same model, same buckets)."""
+    # JAXSERVE_TEST_XLA_CACHE lets a developer keep compiled buckets between runs.
+    given = os.environ.get("JAXSERVE_TEST_XLA_CACHE")
+    return Path(given) if given else tmp_path_factory.mktemp("xla15")
+
+
+@pytest.fixture(scope="session")
 def hf_default_model():
     """HF transformers' own dequantization of the default GGUF: the reference model."""
     import torch

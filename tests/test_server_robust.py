@@ -11,88 +11,17 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
+from server_utils import MAX_MODEL_LEN, post, request, sse, start_server
+
 from jaxserve.client import Client
-
-MAX_MODEL_LEN = 128
-SERVER_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-pages", "96", "--max-waiting", "48", "--enable-debug-endpoints"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_full_vocab_tiny(root: Path) -> Path:
-    """A 2-layer random Llama whose vocabulary is the default tokenizer's (49,152): real text works."""
-    import torch
-    import transformers
-
-    from jaxserve.loading import load_tokenizer
-
-    tok = load_tokenizer(None)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    path = root / "tiny-full-vocab"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_full_vocab_tiny(tmp_path_factory.mktemp("tiny15"))
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory) -> Path:
-    # JAXSERVE_TEST_XLA_CACHE lets a developer keep compiled buckets between runs.
-    given = os.environ.get("JAXSERVE_TEST_XLA_CACHE")
-    return Path(given) if given else tmp_path_factory.mktemp("xla15")
-
-
-def start_server(model: Path, cache: Path, *extra: str) -> dict:
-    grpc_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "jaxserve.serve", "--model", str(model), "--served-model-name", "tiny",
-           "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--compilation-cache-dir", str(cache),
-           *SERVER_ARGS, *extra]
-    log = open(cache / f"server-{http_port}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{http_port}"
-    deadline = time.time() + 600
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited: " + Path(log.name).read_text()[-3000:])
-        try:
-            if request("GET", base + "/health", timeout=2)[0] == 200:
-                break
-        except OSError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not become healthy: " + Path(log.name).read_text()[-3000:])
-        time.sleep(0.5)
-    return dict(proc=proc, base=base, grpc=f"127.0.0.1:{grpc_port}", http_port=http_port, log=Path(log.name))
 
 
 @pytest.fixture(scope="module")
@@ -120,42 +49,6 @@ def pages_consistent_after(request):
     for name in ("srv", "srv_wide"):
         if name in request.fixturenames:
             assert_idle_and_consistent(request.getfixturevalue(name), timeout=30)
-
-
-def request(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,
-            timeout: float = 120) -> tuple[int, dict, bytes]:
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.headers, r.read()  # headers: case-insensitive lookups
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read()
-
-
-def post(srv: dict, path: str, body: dict, **kw) -> tuple[int, dict]:
-    status, _, raw = request("POST", srv["base"] + path, body, **kw)
-    return status, json.loads(raw) if raw else {}
-
-
-def sse(srv: dict, path: str, body: dict, timeout: float = 120) -> tuple[int, list]:
-    """POST with stream: true; the parsed events ("[DONE]" kept as a string)."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv["http_port"], timeout=timeout)
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        out = resp.status, [json.loads(resp.read())]
-        conn.close()
-        return out
-    events = []
-    for line in resp:
-        line = line.decode().strip()
-        if line.startswith("data: "):
-            data = line[6:]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    conn.close()
-    return 200, events
 
 
 def pages(srv: dict) -> dict:

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, NotFound, NotReady, Overloaded,
                                     check_for_model, check_sequences, check_text_size, make_sampling_params,
                                     max_token_chars, stream_outputs)
+from jaxserve.server import fleet
 from jaxserve.server.metrics import Metrics
 
 access_log = logging.getLogger("jaxserve.access")
@@ -38,6 +39,7 @@ _UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None,
                 "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none")}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids")
+_REQUEST_ID_KEY = fleet.REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 RETRY_AFTER_429 = "1"
 RETRY_AFTER_503 = "5"
 
@@ -79,7 +81,8 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 class _AuthAndAccessLog:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide the client's disconnect from handlers):
-    the API key on /v1/, and one access-log line per request."""
+    the API key on /v1/, one access-log line per request, and the client's X-Request-Id echoed on
+    every response (streamed or not, errors too), as vLLM does: routers and proxies correlate by it."""
 
     def __init__(self, app: Any, api_key: str | None):
         self.app = app
@@ -90,19 +93,23 @@ class _AuthAndAccessLog:
             return await self.app(scope, receive, send)
         start = time.monotonic()
         status = {"code": 0}
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
-                response = error(401, "missing or wrong API key", "authentication_error")
-                status["code"] = 401
-                await response(scope, receive, send)
-                self._log(scope, 401, start)
-                return
+        headers = dict(scope.get("headers") or [])
+        client_id = headers.get(_REQUEST_ID_KEY)
 
         async def send_and_note(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if client_id is not None:  # the handler's own id (no client id) stays as it set it
+                    rest = [(k, v) for k, v in message.get("headers", []) if k.lower() != _REQUEST_ID_KEY]
+                    message = {**message, "headers": rest + [(_REQUEST_ID_KEY, client_id)]}
             await send(message)
+
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                response = error(401, "missing or wrong API key", "authentication_error")
+                await response(scope, receive, send_and_note)
+                self._log(scope, 401, start)
+                return
 
         try:
             await self.app(scope, receive, send_and_note)
@@ -360,14 +367,14 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 "token_logprobs": [e[t] for t, e in zip(comp.token_ids, comp.logprobs)],
                 "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.items()} for e in comp.logprobs]}
 
-    async def run_all(engine, prompts, texts, params, rid: str):
+    async def run_all(engine, prompts, texts, params, labels: list[str]):
         """Non-streaming: run every prompt to the end (the caller aborts on disconnect)."""
         results: dict[tuple[int, int], Completion] = {}
         prompt_logprobs: dict[int, Any] = {}
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
 
         async def one(pi: int, prompt: Any):
-            async for out in stream_outputs(engine, metrics, prompt, params, request_id=f"{rid}-p{pi}",
+            async for out in stream_outputs(engine, metrics, prompt, params, request_id=labels[pi],
                                             prompt_text=texts[pi]):
                 comp = out.outputs[0]
                 if out.prompt_logprobs is not None:
@@ -397,6 +404,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
     async def handle(request: Request, chat: bool) -> Response:
         try:
+            client_id = fleet.request_id_from(request.headers)
             body = await body_of(request)
             refuse_unsupported(body, chat)
             engine = engine_or_raise()
@@ -409,7 +417,14 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 return Response(status_code=499)
             prompts, texts = prepared
             params = fit_max_tokens(engine, params, prompts)
-            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            # vLLM's ids: the client's X-Request-Id names the response; it is the requests' label
+            # in the engine (exactly, for one prompt; with -<i> per prompt), which keeps its own ids.
+            rid = ("chatcmpl-" if chat else "cmpl-") + (client_id or uuid.uuid4().hex[:24])
+            if client_id is None:
+                labels = [f"{rid}-p{i}" for i in range(len(prompts))]
+            else:
+                labels = [client_id] if len(prompts) == 1 else [f"{client_id}-{i}" for i in range(len(prompts))]
+            id_header = {fleet.REQUEST_ID_HEADER: client_id or rid}
             created = int(time.time())
             obj = "chat.completion" if chat else "text_completion"
             want_ids = bool(body.get("return_token_ids"))
@@ -418,16 +433,16 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 include_usage = bool(opts.get("include_usage"))
                 # vLLM's extension (guidellm sends it): every chunk carries the usage so far.
                 continuous = include_usage and bool(opts.get("continuous_usage_stats"))
-                stream = stream_response(engine, prompts, texts, params, rid, created, chat, include_usage, want_ids,
-                                         continuous)
+                stream = stream_response(engine, prompts, texts, params, rid, labels, created, chat, include_usage,
+                                         want_ids, continuous)
                 # Admission errors surface as a 400/429, not mid-stream; a client gone meanwhile aborts it.
                 disconnected, first = await _until_disconnect(request, stream.__anext__())
                 if disconnected:
                     await stream.aclose()
                     return Response(status_code=499)
                 return StreamingResponse(_prepend(first, stream), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            disconnected, ran = await _until_disconnect(request, run_all(engine, prompts, texts, params, rid))
+                                         headers={"Cache-Control": "no-cache", **id_header})
+            disconnected, ran = await _until_disconnect(request, run_all(engine, prompts, texts, params, labels))
             if disconnected:  # nobody to answer; the requests were aborted and their pages freed
                 return Response(status_code=499)
             results, usage, prompt_logprobs = ran
@@ -450,14 +465,14 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                     choice["token_ids"] = comp.token_ids
                 choices.append(choice)
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                 "choices": choices, "usage": usage_json(usage)})
+                                 "choices": choices, "usage": usage_json(usage)}, headers=id_header)
         except (InvalidRequest, NotFound, Overloaded, NotReady, EngineFailure) as exc:
             return error_response(exc)
         except Exception as exc:  # noqa: BLE001 - this request alone fails, in OpenAI's shape
             logging.getLogger(__name__).exception("request failed")
             return error_response(exc)
 
-    async def stream_response(engine, prompts, texts, params, rid, created, chat, include_usage,
+    async def stream_response(engine, prompts, texts, params, rid, labels, created, chat, include_usage,
                               want_ids, continuous: bool = False) -> AsyncIterator[str]:
         """SSE chunks. Every engine output with new tokens is sent, even when its text is held
         back (a possible stop string, an incomplete character): its token ids and logprobs count.
@@ -477,7 +492,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
         async def one(pi: int, prompt: Any):
             try:
-                async for out in stream_outputs(engine, metrics, prompt, params, request_id=f"{rid}-p{pi}",
+                async for out in stream_outputs(engine, metrics, prompt, params, request_id=labels[pi],
                                                 prompt_text=texts[pi]):
                     await queue.put((pi, out))
                 await queue.put((pi, None))
@@ -577,6 +592,32 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(get_engine()), media_type="text/plain; version=0.0.4")
+
+    # ---- what routers and orchestrators call (docs/fleet.md) ----------------------------------
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness probe: the same answer as /health."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": fleet.server_version()}
+
+    def about(build: Callable[..., Any]) -> Callable[[], Awaitable[Response]]:
+        """An engine-backed info endpoint: 503 until the model is loaded."""
+        async def endpoint() -> Response:
+            engine = get_engine()
+            if engine is None:
+                return error_response(NotReady("the server is not ready (loading the model)"))
+            return JSONResponse(build(engine, model_name))
+        return endpoint
+
+    # SGLang's names; the get_ forms are its older ones, which sglang-router still falls back to.
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, about(fleet.model_info), methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, about(fleet.server_info), methods=["GET"])
+    app.add_api_route("/get_load", about(lambda engine, _name: fleet.load(engine)), methods=["GET"])
 
     if debug_endpoints:
         @app.get("/debug/pages")

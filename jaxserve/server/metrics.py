@@ -1,9 +1,15 @@
-"""Prometheus metrics, named like vLLM's under the `jaxserve:` prefix."""
+"""Prometheus metrics: our own `jaxserve:` family, and the same measurements under vLLM's names.
+
+Routers and gateways that balance vLLM replicas (vllm-router, the Gateway API inference
+extension, dashboards built for vLLM) read `vllm:` series by name, with a `model_name` label:
+exposing them lets jaxserve replicas join such a fleet unchanged. Both families are fed by the
+same observations; gauges and engine-side counters are read from the engine at scrape time.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -13,8 +19,68 @@ if TYPE_CHECKING:
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
 
 
+class VllmMetrics:
+    """vLLM's V1 metric names and labels. prometheus_client appends `_total` to counters in the
+    exposition (`vllm:prompt_tokens_total`), as in vLLM itself, which builds them the same way.
+    Labels: `model_name` (the served name) and `engine` (vLLM's engine index; one engine here,
+    data-parallel replicas included, so always "0")."""
+
+    LABELS = ("model_name", "engine")
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, names = registry, self.LABELS
+        self.label_values = {"model_name": model_name, "engine": "0"}
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", names, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", names, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = all pages held by requests",
+                              names, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens queried",
+                                      names, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens found cached",
+                                   names, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (recomputed later)", names, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", names, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", names, registry=r)
+        self.requests = Counter("vllm:request_success", "Finished requests", names + ("finished_reason",), registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", names,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", names,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency", names,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling", names,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        # vLLM's info-style gauge: value 1, the configuration in the labels (the inference
+        # extension reads block_size and num_gpu_blocks from it). Set once the engine exists.
+        self.cache_config = Gauge("vllm:cache_config_info", "KV-cache configuration (labels), value 1",
+                                  ["model_name", "engine", "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                                   "enable_prefix_caching", "cache_dtype"], registry=r)
+        self._cache_config_set = False
+        # Every series exists from the first scrape (at 0), as vLLM's do: consumers find them before traffic.
+        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
+                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue):
+            metric.labels(**self.label_values)
+        for reason in ("stop", "length", "abort"):
+            self.requests.labels(**self.label_values, finished_reason=reason)
+
+    def of(self, metric: Any) -> Any:
+        """The series of `metric` for this server (its label values)."""
+        return metric.labels(**self.label_values)
+
+    def set_cache_config(self, config: Any, num_pages: int, page_size: int) -> None:
+        """num_pages: the usable KV pages of all replicas (the null page excluded); the KV cache
+        is kept in the model's dtype, so that is cache_dtype."""
+        if self._cache_config_set:
+            return
+        self._cache_config_set = True
+        self.cache_config.labels(
+            **self.label_values, block_size=str(page_size), num_gpu_blocks=str(num_pages), num_cpu_blocks="0",
+            enable_prefix_caching=str(bool(config.enable_prefix_caching)), cache_dtype=str(config.dtype)).set(1)
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "jaxserve") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("jaxserve:num_requests_running", "Requests in the running batch", registry=r)
@@ -27,6 +93,7 @@ class Metrics:
                                         "Prefix-cache pages no request holds (reclaimable)", registry=r)
         self.preemptions = Counter("jaxserve:num_preemptions", "Requests preempted (recomputed later)", registry=r)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)  # (query tokens, hit tokens) already counted into the vllm: counters
         self.prefix_hit_rate = Gauge("jaxserve:prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens", registry=r)
         self.compiles = Gauge("jaxserve:compile_count_after_warmup", "XLA compilations since warm-up", registry=r)
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens processed", registry=r)
@@ -37,29 +104,72 @@ class Metrics:
         self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "End-to-end latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("jaxserve:request_queue_time_seconds", "Time from arrival to first scheduling",
                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm = VllmMetrics(r, model_name)
 
     def render(self, engine: "AsyncEngine | None") -> bytes:
         if engine is not None:
-            e = engine.engine
-            self.running.set(e.num_running)
-            self.waiting.set(e.num_waiting)
-            used = e.num_used_pages
-            self.kv_pages_used.set(used)
-            caches = [r.prefix_cache for r in e.replicas if r.prefix_cache is not None]
-            try:  # read while the engine thread runs: a tree changing under the walk is retried next scrape
-                evictable = sum(c.evictable_pages() for c in caches)
-            except RuntimeError:
-                evictable = 0
-            self.kv_pages_evictable.set(evictable)
-            self.kv_usage.set(max(0, used - evictable) / max(1, (e.num_pages - 1) * len(e.replicas)))
-            total = sum(getattr(r.scheduler, "num_preemptions", 0) for r in e.replicas)
-            if total > self._preemptions_seen:
-                self.preemptions.inc(total - self._preemptions_seen)
-                self._preemptions_seen = total
-            if caches:
-                self.prefix_hit_rate.set(sum(c.hit_rate for c in caches) / len(caches))
-            self.compiles.set(e.compiles_after_warmup)
+            self._read_engine(engine)
         return generate_latest(self.registry)
+
+    def _read_engine(self, engine: "AsyncEngine") -> None:
+        e, v = engine.engine, self.vllm
+        self.running.set(e.num_running)
+        v.of(v.running).set(e.num_running)
+        self.waiting.set(e.num_waiting)
+        v.of(v.waiting).set(e.num_waiting)
+        used = e.num_used_pages
+        self.kv_pages_used.set(used)
+        caches = [r.prefix_cache for r in e.replicas if r.prefix_cache is not None]
+        try:  # read while the engine thread runs: a tree changing under the walk is retried next scrape
+            evictable = sum(c.evictable_pages() for c in caches)
+        except RuntimeError:
+            evictable = 0
+        self.kv_pages_evictable.set(evictable)
+        usage = max(0, used - evictable) / max(1, (e.num_pages - 1) * len(e.replicas))
+        self.kv_usage.set(usage)
+        v.of(v.kv_usage).set(usage)
+        total = sum(getattr(r.scheduler, "num_preemptions", 0) for r in e.replicas)
+        if total > self._preemptions_seen:
+            self.preemptions.inc(total - self._preemptions_seen)
+            v.of(v.preemptions).inc(total - self._preemptions_seen)
+            self._preemptions_seen = total
+        if caches:
+            self.prefix_hit_rate.set(sum(c.hit_rate for c in caches) / len(caches))
+            # The radix caches keep running totals (written by the engine thread; plain ints, so a
+            # racy read is at worst one request behind): the counters advance by the difference.
+            queried, hit = sum(c.query_tokens for c in caches), sum(c.hit_tokens for c in caches)
+            seen_q, seen_h = self._prefix_seen
+            if queried >= seen_q and hit >= seen_h:
+                v.of(v.prefix_queries).inc(queried - seen_q)
+                v.of(v.prefix_hits).inc(hit - seen_h)
+                self._prefix_seen = (queried, hit)
+        self.compiles.set(e.compiles_after_warmup)
+        v.set_cache_config(e.config, (e.num_pages - 1) * len(e.replicas), e.pool.page_size)
+
+    # ---- per-request observations, recorded under both families --------------------------------
+    def observe_queue(self, seconds: float) -> None:
+        self.queue.observe(seconds)
+        self.vllm.of(self.vllm.queue).observe(seconds)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.vllm.of(self.vllm.ttft).observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.vllm.of(self.vllm.itl).observe(seconds)
+
+    def count_generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+        self.vllm.of(self.vllm.generation_tokens).inc(tokens)
+
+    def count_finished(self, reason: str, prompt_tokens: int, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self.vllm.of(self.vllm.e2e).observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.vllm.of(self.vllm.prompt_tokens).inc(prompt_tokens)
+        self.requests.labels(finish_reason=reason).inc()
+        self.vllm.requests.labels(**self.vllm.label_values, finished_reason=reason).inc()
 
 
 class RequestTimer:
@@ -75,20 +185,18 @@ class RequestTimer:
         """Queue time, once per request, from its first output (so requests aborted later count too)."""
         if queue_seconds is not None and not self.queued:
             self.queued = True
-            self.metrics.queue.observe(queue_seconds)
+            self.metrics.observe_queue(queue_seconds)
 
     def on_tokens(self, count: int) -> None:
         if count <= 0:
             return
         now = time.monotonic()
         if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
+            self.metrics.observe_ttft(now - self.start)
         else:
-            self.metrics.itl.observe((now - self.last) / count)
+            self.metrics.observe_itl((now - self.last) / count)
         self.last = now
-        self.metrics.generation_tokens.inc(count)
+        self.metrics.count_generated(count)
 
     def on_finish(self, reason: str | None, prompt_tokens: int) -> None:
-        self.metrics.e2e.observe(time.monotonic() - self.start)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.requests.labels(finish_reason=reason or "abort").inc()
+        self.metrics.count_finished(reason or "abort", prompt_tokens, time.monotonic() - self.start)
