@@ -12,6 +12,11 @@ LMEVAL := $(CLIENT_VENVS)/.venv-lmeval
 GUIDELLM := $(CLIENT_VENVS)/.venv-guidellm
 LMEVAL_STAMP := $(LMEVAL)/.installed-0.4.13
 GUIDELLM_STAMP := $(GUIDELLM)/.installed-0.8.1
+# The routers a fleet puts in front of replicas (tests/test_routers.py), each a venv of its own like the clients.
+VLLM_ROUTER := $(CLIENT_VENVS)/.venv-vllm-router
+SGLANG_ROUTER := $(CLIENT_VENVS)/.venv-sglang-router
+VLLM_ROUTER_STAMP := $(VLLM_ROUTER)/.installed-0.1.17
+SGLANG_ROUTER_STAMP := $(SGLANG_ROUTER)/.installed-0.3.2
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -38,9 +43,20 @@ $(GUIDELLM_STAMP):
 	$(GUIDELLM)/bin/pip install -q 'guidellm==0.8.1'
 	touch $@
 
-.PHONY: install clients compilers serve generate test test-fast test-py312
+$(VLLM_ROUTER_STAMP):
+	test -d $(VLLM_ROUTER) || $(PY) -m venv $(VLLM_ROUTER)
+	$(VLLM_ROUTER)/bin/pip install -q 'vllm-router==0.1.17'
+	touch $@
+
+$(SGLANG_ROUTER_STAMP):
+	test -d $(SGLANG_ROUTER) || $(PY) -m venv $(SGLANG_ROUTER)
+	$(SGLANG_ROUTER)/bin/pip install -q 'sglang-router==0.3.2'
+	touch $@
+
+.PHONY: install clients routers compilers serve generate test test-fast test-py312
 install: $(STAMP)
 clients: $(LMEVAL_STAMP) $(GUIDELLM_STAMP)   # for tests/test_real_clients.py (slow)
+routers: $(VLLM_ROUTER_STAMP) $(SGLANG_ROUTER_STAMP)   # for tests/test_routers.py (slow)
 compilers: $(COMPILERS_STAMP)
 
 serve: $(STAMP)
@@ -49,7 +65,7 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/python -m jaxserve.generate "$(or $(PROMPT),The capital of France is)" $(ARGS)
 
-test: $(STAMP) clients compilers   # everything, as CI runs it (real clients' venvs, deviceless compilers)
+test: $(STAMP) clients routers compilers   # everything, as CI runs it (real clients' and routers' venvs, deviceless compilers)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 test-py312:   # CI's second leg: Python 3.12 + jax 0.11.2, as on the GPU machine (its own .venv312)
