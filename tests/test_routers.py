@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -40,6 +41,10 @@ def replicas(tiny_model, xla_cache):
         s["proc"].wait()
 
 
+def log_tail(path: Path) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", path.read_text())[-3000:]  # the routers colour their logs
+
+
 def start_router(cmd: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
     """Start a router on a free port; ready once its /v1/models lists our model."""
     port = free_port()
@@ -48,18 +53,21 @@ def start_router(cmd: list[str], log_path: Path) -> tuple[subprocess.Popen, str]
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
+    listed = "nothing"
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"{cmd[0]} exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
+            pytest.fail(f"{cmd[0]} exited with {proc.returncode}: {log_tail(log_path)}")
         try:
             status, _, raw = request("GET", base + "/v1/models", timeout=2)
+            listed = raw.decode(errors="replace")
             if status == 200 and "tiny" in {m.get("id") for m in json.loads(raw).get("data", [])}:
                 return proc, base
         except (OSError, ValueError):
             pass
         if time.time() > deadline:
             proc.kill()
-            pytest.fail(f"{cmd[0]} never listed the model 'tiny' at /v1/models: {log_path.read_text()[-3000:]}")
+            pytest.fail(f"{cmd[0]} never listed the model 'tiny' at /v1/models (it listed {listed}): "
+                        f"{log_tail(log_path)}")
         time.sleep(0.5)
 
 
