@@ -43,6 +43,7 @@ def test_batched_equals_alone_and_hf(llm_default, alone, hf_default_model):
         assert hf_greedy(hf_default_model, p, GREEDY.max_tokens) == r
     llm_default.engine.check_invariants()
     assert llm_default.engine.pool.num_free + llm_default.engine.prefix_cache.cached_pages() == llm_default.engine.num_pages - 1
+    assert llm_default.engine.config.dtype == "float32"  # dtype "auto" (the default) on CPU; HF parity above is float32
 
 
 @pytest.mark.parametrize("options", [

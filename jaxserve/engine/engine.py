@@ -6,6 +6,7 @@ LLM API drives it in a loop; the AsyncEngine drives it from its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 import logging
@@ -126,9 +127,13 @@ class Replica:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         from jaxserve import parallel
-        from jaxserve.loading import load_tokenizer, load_weights, resolve_dtype
+        from jaxserve.loading import auto_dtype, load_tokenizer, load_weights, resolve_dtype
         from jaxserve.models.llama import LlamaForCausalLM
 
+        if config.dtype == "auto":
+            platform = jax.default_backend()
+            config = dataclasses.replace(config, dtype=auto_dtype(platform))
+            log.info("dtype auto: %s on %s", config.dtype, platform)
         self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
