@@ -163,6 +163,23 @@ def test_top_k_one_is_greedy_and_penalties_change_output(llm_default):
     assert len(set(pen)) >= len(set(greedy))
 
 
+def test_repetition_penalty_matches_hf(llm_default, hf_default_model):
+    """Penalties come from per-request state kept on the device (built from a request's history
+    once, then advanced by each step): greedy with HF's repetition penalty gives HF's tokens,
+    with penalized and plain requests in one batch."""
+    tok = llm_default.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("List of fruits: apple, banana,", "The capital of France is",
+                                       "1, 2, 3, 4,")]
+    pen = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = llm_default.generate(prompts + prompts[:1], [pen] * len(prompts) + [plain], use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_default_model, p, 20, repetition_penalty=1.3)
+    assert outs[-1].outputs[0].token_ids == hf_greedy(hf_default_model, prompts[0], 20)
+    assert outs[-1].outputs[0].token_ids != outs[0].outputs[0].token_ids  # the penalty mattered
+    llm_default.engine.check_invariants()  # every penalty slot back
+
+
 def test_too_large_requests_are_clear_errors(llm_default):
     with pytest.raises(ValueError, match="prompt"):
         llm_default.generate([list(range(5, 400))], SamplingParams(max_tokens=4), use_tqdm=False)

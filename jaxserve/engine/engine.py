@@ -169,13 +169,14 @@ class LLMEngine:
                 from jaxserve.cache.radix_cache import RadixCache
 
                 prefix_cache = RadixCache(pool)
+            runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
+                                 config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs)
             scheduler = Scheduler(
                 pool, self.buckets, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
-                prefix_cache=prefix_cache, policy=config.scheduling_policy, static=config.scheduler == "static",
+                num_penalty_slots=runner.num_penalty_slots, prefix_cache=prefix_cache,
+                policy=config.scheduling_policy, static=config.scheduler == "static",
             )
-            runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
-                                 config.attention_backend, mesh=mesh)
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
         del params
         # Replica 0 under the single-replica names (what tests, metrics and scripts read).
@@ -438,6 +439,7 @@ class LLMEngine:
                 r.prefix_cache.check_invariants()
                 external = r.prefix_cache.external_refs()
             r.pool.check_invariants(external)
+            r.scheduler.check_invariants()
 
     @property
     def compiles_after_warmup(self) -> int:
