@@ -175,12 +175,17 @@ class ModelRunner:
         # `prev_ids`, one shape whatever the bucket of the step that sampled them.
         self.max_seqs = max(buckets.seqs_for(t) for t in buckets.token_buckets)
 
-        def sample_padded(logits, packed, history, prev_ids):
-            out = sample(logits, unpack_sampling(packed, logits.shape[0], history), prev_ids)
+        # token_bitmask [S, ceil(V/32)]: the allowed tokens of constrained rows (structured output);
+        # all -1 (a constant kept on the device) when no row is constrained, and then unused.
+        self.mask_words = (cfg.vocab_size + 31) // 32
+
+        def sample_padded(logits, packed, history, prev_ids, token_bitmask):
+            out = sample(logits, unpack_sampling(packed, logits.shape[0], history), prev_ids, token_bitmask)
             return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids)
 
         self._sample = jax.jit(sample_padded, out_shardings=rep)
         self._empty_histories: dict[int, jax.Array] = {}
+        self._no_masks: dict[int, jax.Array] = {}
         self._no_prev_ids = self._constant(np.zeros(self.max_seqs, np.int32))
         # The last launched step's sampled ids, padded (what a step planned during it reads).
         self.last_sampled_ids: Any = None
@@ -221,7 +226,8 @@ class ModelRunner:
             if S not in self._compiled_samplers:
                 logits = jax.ShapeDtypeStruct((S, self.model.cfg.vocab_size), jnp.float32, sharding=rep)
                 self._compiled_samplers[S] = self._sample.lower(logits, i32(packed_sampling_size(S)),
-                                                                i32(S, self.history_len), prev_ids).compile()
+                                                                i32(S, self.history_len), prev_ids,
+                                                                i32(S, self.mask_words)).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[bucket], self._compiled_samplers[bucket[1]]
 
@@ -262,9 +268,12 @@ class ModelRunner:
     def launch(self, plan: StepPlan, prev_ids: Any = None) -> SampleOutput:
         """Dispatch one step and return without waiting for the device (its outputs are futures).
         `prev_ids`: `last_sampled_ids` of the step the plan was made during (overlap), if any."""
-        return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids)
+        return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids,
+                                  plan.token_bitmask)
 
-    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None) -> SampleOutput:
+    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None,
+                      token_bitmask: np.ndarray | None = None) -> SampleOutput:
+        """`token_bitmask`: [S, mask_words] allowed tokens when some row is constrained."""
         step_fn, sample_fn = self.compile_bucket(bucket)
         tokens, md, logits_indices, samp, targets, token_src = inputs
         prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
@@ -273,7 +282,8 @@ class ModelRunner:
         step_buf = pack_step(tokens, md, logits_indices, targets, token_src)
         samp_buf = pack_sampling(samp)
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
-        out, self.last_sampled_ids = sample_fn(logits, samp_buf, history, prev_ids)
+        bitmask = self._no_mask(bucket[1]) if token_bitmask is None else token_bitmask
+        out, self.last_sampled_ids = sample_fn(logits, samp_buf, history, prev_ids, bitmask)
         # Start the copies back now: by the time the host reads them (a step later, with
         # overlap) they are there, instead of one blocking transfer per array at fetch time.
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if np.any(samp.want_logprobs) \
@@ -295,6 +305,13 @@ class ModelRunner:
         if num_seqs not in self._empty_histories:
             self._empty_histories[num_seqs] = self._constant(np.full((num_seqs, self.history_len), -1, np.int32))
         return self._empty_histories[num_seqs]
+
+    def _no_mask(self, num_seqs: int) -> jax.Array:
+        """A [num_seqs, mask_words] array of -1 (every token allowed) on the device, made once per
+        sequence bucket: unconstrained steps transfer no mask."""
+        if num_seqs not in self._no_masks:
+            self._no_masks[num_seqs] = self._constant(np.full((num_seqs, self.mask_words), -1, np.int32))
+        return self._no_masks[num_seqs]
 
     @property
     def last_prompt_logprobs(self) -> Any:
