@@ -214,3 +214,83 @@ def test_bitmask_unpacking_matches_llguidance():
         ref = np.zeros((3, vocab), np.float32)
         apply_token_bitmask_inplace(ref, mask)
         np.testing.assert_array_equal(np.asarray(allowed_tokens(jnp.asarray(mask), vocab)), ref == 0)
+
+
+# ---- the HTTP server, through the openai client ----------------------------------------------
+# x-guidance: llguidance's per-schema options; compact JSON, as disable_any_whitespace gives above.
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "x-guidance": {"whitespace_flexible": False},
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 99},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}}
+
+
+@pytest.fixture(scope="module")
+def so_srv(tiny_path, tmp_path_factory):
+    from test_server_robust import start_server
+
+    server = start_server(__import__("pathlib").Path(tiny_path), tmp_path_factory.mktemp("xla19"))
+    yield server
+    server["proc"].terminate()
+    server["proc"].wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(so_srv):
+    import openai
+
+    return openai.OpenAI(base_url=so_srv["base"] + "/v1", api_key="-", max_retries=0)
+
+
+def response_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+@pytest.mark.slow
+def test_http_response_format_json_schema(client, so_srv):
+    from test_server_robust import assert_idle_and_consistent
+
+    msgs = [{"role": "user", "content": "Describe a person."}]
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=80, temperature=1.0, seed=seed,
+                                           response_format=response_format(PERSON))
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=80, temperature=1.0,
+                                                seed=seed, response_format=response_format(PERSON), stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == r.choices[0].message.content  # streamed == not streamed
+    r = client.completions.create(model="tiny", prompt="Answer:", max_tokens=40, temperature=1.0, seed=1,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+    assert r.choices[0].text in ("red", "green") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="Code:", max_tokens=40, temperature=1.0, seed=2,
+                                  extra_body={"guided_regex": "[A-Z]{2}[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}[0-9]{3}", r.choices[0].text)
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=60, temperature=0.0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(r.choices[0].message.content), dict)
+    assert_idle_and_consistent(so_srv, timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"guided_grammar": "start: nope"}, "guided_grammar"),
+    ("/v1/completions", {"guided_json": "{bad"}, "guided_json"),
+    ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_http_invalid_constraints_are_400s_naming_the_field(so_srv, path, body, param):
+    from test_server_robust import assert_idle_and_consistent, post
+
+    base = {"model": "tiny", "max_tokens": 8}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    status, err = post(so_srv, path, {**base, **body})
+    assert status == 400, err
+    assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error", err
+    assert_idle_and_consistent(so_srv, timeout=30)
