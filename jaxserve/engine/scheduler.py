@@ -31,6 +31,7 @@ from jaxserve.cache.page_pool import OutOfPagesError, PagePool
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampler import MAX_BANNED, empty_sampling_arrays
+from jaxserve.engine.structured import fill_masks
 
 _INT32_MAX = 2**31 - 1
 _WAIT = object()  # _group_source: a sibling is computing the prompt; wait for it
@@ -415,8 +416,7 @@ class Scheduler:
             return None
         words = (rows[0][1].vocab_size + 31) // 32
         mask = np.full((num_rows, words), -1, np.int32)
-        for i, constraint in rows:
-            constraint.fill_mask(mask[i])
+        fill_masks(rows, mask)
         return mask
 
     def _page_row(self, req: Request) -> np.ndarray:
