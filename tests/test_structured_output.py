@@ -129,6 +129,22 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(engines):
             assert mixed[rid].outputs[0].token_ids == alone[rid].outputs[0].token_ids, (mode, rid)
 
 
+def test_constrained_requests_survive_preemption(engines, tiny_path):
+    """A small pool preempts requests (recomputed later): each matcher keeps its state, and the
+    outputs are those of the roomy synchronous engine."""
+    opts = small_engine_options(async_scheduling=True, num_pages=14, max_num_seqs=8)
+    opts.pop("show_progress")
+    small = LLMEngine(EngineConfig(model=tiny_path, **opts), show_progress=False)
+    so = StructuredOutputsParams(regex="[a-z ]{60,}")
+    reqs = [(f"p{i}", PROMPTS[i % 3], SamplingParams(max_tokens=48, temperature=1.0, seed=i, structured_outputs=so))
+            for i in range(8)]
+    got, want = run(small, reqs), run(engines["sync"], reqs)
+    assert small.scheduler.num_preemptions > 0
+    for rid, _, _ in reqs:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+        check_output(small, so, got[rid])
+
+
 def test_a_constraint_finishes_the_request_with_stop(engines):
     so = StructuredOutputsParams(choice=["alpha", "beta"])
     out = run(engines["overlap"], [("c", "Pick:", SamplingParams(max_tokens=50, temperature=0.0, structured_outputs=so))])
@@ -260,6 +276,11 @@ def test_http_response_format_json_schema(client, so_srv):
                                                 seed=seed, response_format=response_format(PERSON), stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == r.choices[0].message.content  # streamed == not streamed
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=80, temperature=1.0, seed=7, n=3,
+                                       response_format=response_format(PERSON))
+    assert len(r.choices) == 3  # each completion of n has its own matcher
+    for choice in r.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
     r = client.completions.create(model="tiny", prompt="Answer:", max_tokens=40, temperature=1.0, seed=1,
                                   extra_body={"structured_outputs": {"choice": ["red", "green"]}})
     assert r.choices[0].text in ("red", "green") and r.choices[0].finish_reason == "stop"
