@@ -145,6 +145,21 @@ def test_constrained_requests_survive_preemption(engines, tiny_path):
         check_output(small, so, got[rid])
 
 
+def test_a_model_vocabulary_narrower_than_the_tokenizer_masks_only_its_own_ids(tmp_path):
+    """The 256-token tiny models carry the 49,152-token tokenizer: llguidance masks the tokenizer's
+    vocabulary and the mask is cut to the model's (single characters live below 256)."""
+    from conftest import make_tiny_checkpoint
+
+    path = str(make_tiny_checkpoint("llama3", tmp_path))
+    engine = make_engine(path, overlap=True)
+    so = StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2,4}")
+    reqs = [(f"n{i}", [5, 6, 7], SamplingParams(max_tokens=12, temperature=1.0, seed=i, structured_outputs=so))
+            for i in range(4)]
+    for rid, out in run(engine, reqs).items():
+        assert all(t < 256 for t in out.outputs[0].token_ids)
+        assert check_output(engine, so, out), rid
+
+
 def test_a_constraint_finishes_the_request_with_stop(engines):
     so = StructuredOutputsParams(choice=["alpha", "beta"])
     out = run(engines["overlap"], [("c", "Pick:", SamplingParams(max_tokens=50, temperature=0.0, structured_outputs=so))])
