@@ -160,6 +160,19 @@ def test_a_model_vocabulary_narrower_than_the_tokenizer_masks_only_its_own_ids(t
         assert check_output(engine, so, out), rid
 
 
+def test_offline_llm_generate_with_structured_outputs(engines):
+    from jaxserve import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine = engines["overlap"]  # the offline API over an engine already built
+    schema = SCHEMAS["enum"]
+    outs = llm.generate(["Pick a colour:", "Again:"], SamplingParams(
+        max_tokens=40, temperature=1.0, seed=4, structured_outputs={"json": schema, "disable_any_whitespace": True}),
+        use_tqdm=False)
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
 def test_a_constraint_finishes_the_request_with_stop(engines):
     so = StructuredOutputsParams(choice=["alpha", "beta"])
     out = run(engines["overlap"], [("c", "Pick:", SamplingParams(max_tokens=50, temperature=0.0, structured_outputs=so))])
