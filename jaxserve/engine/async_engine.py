@@ -167,6 +167,10 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, server_id, label, client_label, sub_ids, prompt, params, priority, loop, queue, arrival,
                 prompt_text, cumulative) -> None:
+        if params.structured_outputs is not None:
+            # Compile the grammar here, outside the engine's lock (cached): add_request then only
+            # copies it, and a grammar that does not compile fails before anything is queued.
+            self.engine.grammars.compile(params.structured_outputs)
         with self._count_lock:
             if client_label:  # only clients' own ids are labels to look up (server ids are unique already)
                 if label in self._labels:

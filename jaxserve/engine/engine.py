@@ -24,6 +24,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.models.llama import rope_inv_freq
 from jaxserve.sampling_params import SamplingParams
 
@@ -218,6 +219,8 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        # Structured output: grammars compiled against our tokenizer (llguidance's, built on first use).
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
 
     # ---- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -249,9 +252,15 @@ class LLMEngine:
                              f"holds {capacity}; raise num_pages/kv_cache_memory or lower max_tokens")
         if sum(len(r.scheduler.waiting) for r in self.replicas) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        constraint = None
+        if params.structured_outputs is not None:
+            if self.multihost:  # followers would sample without the masks
+                raise ValueError("structured_outputs is not supported on a multi-host mesh")
+            constraint = self.grammars.constraint(params.structured_outputs)  # ValueError: it does not compile
         seed = params.seed + seed_offset if params.seed is not None else int(self._rng.integers(2**31))
         req = Request(request_id, ids, params, max_tokens, seed, self.eos_token_ids, priority, group_id=group_id,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        req.constraint = constraint
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         replica = self._choose_replica(group_id)
         self._tracked[request_id] = _Tracked(req, text, detok, replica, cumulative=cumulative)
@@ -409,7 +418,7 @@ class LLMEngine:
             prompt_lps, t.sent_prompt_logprobs = list(req.prompt_logprobs), True
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
                              req.num_cached_tokens, delta_text, delta_ids, queued, prompt_logprobs=prompt_lps,
-                             delta_logprobs=delta_logprobs)
+                             error=req.error if finished else None, delta_logprobs=delta_logprobs)
 
     def discard_in_flight(self) -> None:
         """Forget launched steps unread: only after every request in them was aborted (shutdown,

@@ -60,6 +60,9 @@ class Request:
     # the same values; `prompt_logprob_rows` counts the prompt rows (positions 0..) done so far.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_rows: int = 0
+    # Structured output: the request's grammar matcher (jaxserve/engine/structured.Constraint), or
+    # None. A constrained request is planned only with no token pending (its mask needs them all).
+    constraint: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

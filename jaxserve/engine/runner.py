@@ -177,18 +177,23 @@ class ModelRunner:
         # `prev_ids`, one shape whatever the bucket of the step that sampled them.
         self.max_seqs = max(buckets.seqs_for(t) for t in buckets.token_buckets)
 
-        def sample_padded(logits, packed, history, prev_ids, penalty_state):
+        # token_bitmask [S, ceil(V/32)]: the allowed tokens of constrained rows (structured output);
+        # all -1 (a constant kept on the device) when no row is constrained, and then unused.
+        self.mask_words = (cfg.vocab_size + 31) // 32
+
+        def sample_padded(logits, packed, history, prev_ids, token_bitmask, penalty_state):
             out, penalty_state = sample_with_state(logits, unpack_sampling(packed, logits.shape[0], history),
-                                                   prev_ids, penalty_state)
+                                                   prev_ids, penalty_state, token_bitmask)
             return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids), penalty_state
 
-        self._sample = jax.jit(sample_padded, out_shardings=rep, donate_argnums=(4,))
+        self._sample = jax.jit(sample_padded, out_shardings=rep, donate_argnums=(5,))
         # Penalty state: a slot per running sequence (the scheduler hands them out); [slots, V]
         # of bool and int32, e.g. 16 MB at 64 sequences and SmolLM2's 49,152 tokens.
         self.num_penalty_slots = num_penalty_slots or self.max_seqs
         self.penalty_state = jax.jit(lambda: empty_penalty_state(self.num_penalty_slots, cfg.vocab_size),
                                      out_shardings=rep)()
         self._empty_histories: dict[int, jax.Array] = {}
+        self._no_masks: dict[int, jax.Array] = {}
         self._no_prev_ids = self._constant(np.zeros(self.max_seqs, np.int32))
         # The last launched step's sampled ids, padded (what a step planned during it reads).
         self.last_sampled_ids: Any = None
@@ -231,7 +236,8 @@ class ModelRunner:
                 state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
                                      self.penalty_state)
                 self._compiled_samplers[S] = self._sample.lower(logits, i32(packed_sampling_size(S)),
-                                                                i32(S, self.history_len), prev_ids, state).compile()
+                                                                i32(S, self.history_len), prev_ids,
+                                                                i32(S, self.mask_words), state).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[bucket], self._compiled_samplers[bucket[1]]
 
@@ -272,9 +278,12 @@ class ModelRunner:
     def launch(self, plan: StepPlan, prev_ids: Any = None) -> SampleOutput:
         """Dispatch one step and return without waiting for the device (its outputs are futures).
         `prev_ids`: `last_sampled_ids` of the step the plan was made during (overlap), if any."""
-        return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids)
+        return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids,
+                                  plan.token_bitmask)
 
-    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None) -> SampleOutput:
+    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None,
+                      token_bitmask: np.ndarray | None = None) -> SampleOutput:
+        """`token_bitmask`: [S, mask_words] allowed tokens when some row is constrained."""
         step_fn, sample_fn = self.compile_bucket(bucket)
         tokens, md, logits_indices, samp, targets, token_src = inputs
         prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
@@ -283,7 +292,8 @@ class ModelRunner:
         step_buf = pack_step(tokens, md, logits_indices, targets, token_src)
         samp_buf = pack_sampling(samp)
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
-        out, self.last_sampled_ids, self.penalty_state = sample_fn(logits, samp_buf, history, prev_ids,
+        bitmask = self._no_mask(bucket[1]) if token_bitmask is None else token_bitmask
+        out, self.last_sampled_ids, self.penalty_state = sample_fn(logits, samp_buf, history, prev_ids, bitmask,
                                                                   self.penalty_state)
         # Start the copies back now: by the time the host reads them (a step later, with
         # overlap) they are there, instead of one blocking transfer per array at fetch time.
@@ -306,6 +316,13 @@ class ModelRunner:
         if num_seqs not in self._empty_histories:
             self._empty_histories[num_seqs] = self._constant(np.full((num_seqs, self.history_len), -1, np.int32))
         return self._empty_histories[num_seqs]
+
+    def _no_mask(self, num_seqs: int) -> jax.Array:
+        """A [num_seqs, mask_words] array of -1 (every token allowed) on the device, made once per
+        sequence bucket: unconstrained steps transfer no mask."""
+        if num_seqs not in self._no_masks:
+            self._no_masks[num_seqs] = self._constant(np.full((num_seqs, self.mask_words), -1, np.int32))
+        return self._no_masks[num_seqs]
 
     @property
     def last_prompt_logprobs(self) -> Any:

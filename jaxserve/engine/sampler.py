@@ -474,21 +474,41 @@ def _argmax(logits: jax.Array) -> jax.Array:
     return (blk * blk_size + jnp.minimum(pos, blk_size - 1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None = None) -> SampleOutput:
+def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """[S, ceil(V/32)] packed int32 (bit t % 32 of word t // 32: token t allowed) -> [S, V] bool."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab] != 0
+
+
+def _apply_token_mask(logits: jax.Array, unbanned: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Disallowed tokens -> -inf. A row left with nothing (min_tokens bans the only tokens its
+    grammar allows, e.g. EOS once the output is complete) keeps its allowed tokens unbanned: the
+    grammar wins over min_tokens."""
+    allowed = allowed_tokens(bitmask, logits.shape[1])
+    masked = jnp.where(allowed, logits, -jnp.inf)
+    empty = ~jnp.any(masked > -jnp.inf, axis=-1, keepdims=True)
+    return jnp.where(empty, jnp.where(allowed, unbanned, -jnp.inf), masked)
+
+
+def sample(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None = None,
+           token_bitmask: jax.Array | None = None) -> SampleOutput:
     """logits [S, V] float32 -> sampled ids and logprobs (of the raw model distribution), with
     penalties from each row's history (stateless: the reference for `sample_with_state`).
-    `prev_ids`: the previous step's sampled ids, for rows with a pending token (overlap)."""
+    `prev_ids`: the previous step's sampled ids, for rows with a pending token (overlap).
+    `token_bitmask`: [S, ceil(V/32)] int32 allowed tokens (structured output); a row of all ones
+    (-1) is unconstrained, and a batch without a constrained row skips the masking entirely."""
     vocab = logits.shape[1]
     any_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
     penalized = jax.lax.cond(
         any_penalty,
         lambda l: _apply_penalties(l, s, *_history_state(s, _history_with_pending(s, prev_ids), vocab)),
         lambda l: l, logits)
-    return _sample_penalized(penalized, logits, s)
+    return _sample_penalized(penalized, logits, s, token_bitmask)
 
 
 def sample_with_state(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None,
-                      state: PenaltyState) -> tuple[SampleOutput, PenaltyState]:
+                      state: PenaltyState, token_bitmask: jax.Array | None = None
+                      ) -> tuple[SampleOutput, PenaltyState]:
     """`sample` with penalties from the device-resident state (rows with a `penalty_slot`),
     which comes back advanced by the sampled tokens. Steps without such rows leave it alone."""
     any_slot = jnp.any(s.penalty_slot >= 0)
@@ -499,13 +519,15 @@ def sample_with_state(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array 
         return _apply_penalties(l, s, seen, counts), state
 
     penalized, state = jax.lax.cond(any_slot, penalize, lambda a: a, (logits, state))
-    out = _sample_penalized(penalized, logits, s)
+    out = _sample_penalized(penalized, logits, s, token_bitmask)
     state = jax.lax.cond(any_slot, lambda st: _count_sampled(st, s, out.token_ids), lambda st: st, state)
     return out, state
 
 
-def _sample_penalized(logits: jax.Array, raw_logits: jax.Array, s: SamplingArrays) -> SampleOutput:
-    """Sampling once penalties are applied; logprobs are of `raw_logits`."""
+def _sample_penalized(logits: jax.Array, raw_logits: jax.Array, s: SamplingArrays,
+                      token_bitmask: jax.Array | None) -> SampleOutput:
+    """Sampling once penalties (and then bans and the token mask) are applied; logprobs are of
+    `raw_logits`."""
     rows, vocab = logits.shape
     banned_valid = s.banned >= 0
 
@@ -513,7 +535,11 @@ def _sample_penalized(logits: jax.Array, raw_logits: jax.Array, s: SamplingArray
         row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], s.banned.shape)
         return l.at[row_idx, jnp.where(banned_valid, s.banned, vocab)].set(-jnp.inf, mode="drop")
 
+    unbanned = logits
     logits = jax.lax.cond(jnp.any(banned_valid), apply_bans, lambda l: l, logits)
+    if token_bitmask is not None:
+        logits = jax.lax.cond(jnp.any(token_bitmask != -1), _apply_token_mask, lambda l, u, m: l,
+                              logits, unbanned, token_bitmask)
     is_greedy = s.temperature == 0.0
     # each path runs only if some row takes it; a row's token never depends on which others ran
     greedy = jax.lax.cond(jnp.any(is_greedy), _argmax, lambda l: jnp.zeros(rows, jnp.int32), logits)

@@ -31,6 +31,7 @@ from jaxserve.cache.page_pool import OutOfPagesError, PagePool
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampler import MAX_BANNED, empty_sampling_arrays
+from jaxserve.engine.structured import fill_masks
 
 _INT32_MAX = 2**31 - 1
 _WAIT = object()  # _group_source: a sibling is computing the prompt; wait for it
@@ -67,6 +68,9 @@ class StepPlan:
     # logprobs), or -1. All -1 in an ordinary step, and the device then skips that work.
     prompt_targets: np.ndarray | None = None
     wants_prompt_logprobs: bool = False  # some row of prompt_targets is set
+    # [S, ceil(V/32)] int32 allowed tokens per row (structured output), all -1 for unconstrained
+    # rows; None when no row of the step is constrained.
+    token_bitmask: np.ndarray | None = None
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -219,6 +223,8 @@ class Scheduler:
                 continue
             if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
                 continue  # its last token is being sampled: it finishes when that arrives
+            if req.constraint is not None and req.num_pending:
+                continue  # structured output: its next mask needs the token still being sampled
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -410,6 +416,7 @@ class Scheduler:
                 targets[off: off + last - s.start] = req.prompt_token_ids[s.start + 1: last + 1]
                 wants_prompt_logprobs = True
         tokens[:num_tokens] = flat
+        bitmask = self._token_bitmask(scheduled, S)
         for i, s in enumerate(scheduled):  # the plan is final: its tokens count as computed
             s.request.num_computed_tokens = s.start + s.num_tokens
             if s.sample:
@@ -419,8 +426,21 @@ class Scheduler:
             seqs=scheduled, num_tokens=num_tokens, tokens=tokens, positions=positions, slot_mapping=slots,
             kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([n], np.int32),
             logits_indices=logits_idx, sampling=samp, token_src=token_src, prompt_targets=targets,
-            wants_prompt_logprobs=wants_prompt_logprobs, preempted=preempted,
+            wants_prompt_logprobs=wants_prompt_logprobs, token_bitmask=bitmask, preempted=preempted,
         )
+
+    @staticmethod
+    def _token_bitmask(scheduled: list[ScheduledSeq], num_rows: int) -> np.ndarray | None:
+        """The allowed tokens of each constrained row that samples this step (its matcher is up to
+        date: schedule() plans no constrained request with a token pending), or None."""
+        rows = [(i, s.request.constraint) for i, s in enumerate(scheduled)
+                if s.sample and s.request.constraint is not None]
+        if not rows:
+            return None
+        words = (rows[0][1].vocab_size + 31) // 32
+        mask = np.full((num_rows, words), -1, np.int32)
+        fill_masks(rows, mask)
+        return mask
 
     def _page_row(self, req: Request) -> np.ndarray:
         """The request's page table as a numpy row as wide as the widest page bucket, rebuilt only
@@ -509,9 +529,25 @@ class Scheduler:
                 k = req.params.logprobs
                 req.output_logprobs.append((float(lp[i]), top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))
             new_tokens.append((req, tok))
+            if req.constraint is not None and self._advance_constraint(req, tok):
+                continue
             if req.check_stop_token():
                 self.finish(req, req.finish_reason)
         return new_tokens
+
+    def _advance_constraint(self, req: Request, tok: int) -> bool:
+        """Feed a sampled token to the request's matcher; finish the request if its grammar is
+        complete ("stop") or rejected the token ("abort", with `error`). Returns whether it finished."""
+        constraint = req.constraint
+        if not constraint.accept(tok):
+            req.error = f"structured output: the grammar rejected token {tok}: {constraint.error}"
+            self.finish(req, "abort")
+            return True
+        if constraint.finished:
+            req.finish_reason, req.stop_reason = "stop", None  # (as for EOS: no stop string or id)
+            self.finish(req, "stop")
+            return True
+        return False
 
     @staticmethod
     def _store_prompt_logprobs(req: Request, s: ScheduledSeq, result: tuple) -> None:
