@@ -154,6 +154,7 @@ class LLMEngine:
         max_pages_per_seq = -(-self.max_model_len // page_size)
         self.buckets = Buckets.create(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
         self.replicas: list[Replica] = []
+        make_event_recorder = self._kv_event_recorders(config)
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
             arrays = parallel.shard_params(params, mesh, dtype)  # each device gets only its slices
             inv_freq = jax.device_put(rope_inv_freq(cfg), parallel.replicated(mesh))
@@ -163,7 +164,7 @@ class LLMEngine:
             if config.enable_prefix_caching:
                 from jaxserve.cache.radix_cache import RadixCache
 
-                prefix_cache = RadixCache(pool)
+                prefix_cache = RadixCache(pool, make_event_recorder(index) if make_event_recorder else None)
             scheduler = Scheduler(
                 pool, self.buckets, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
@@ -212,6 +213,40 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+
+    @staticmethod
+    def _kv_event_recorders(config: EngineConfig) -> Any:
+        """A factory of each replica's KV-event recorder (with its own ZMQ publisher), or None."""
+        from jaxserve.cache.kv_events import KVEventsConfig
+
+        events = KVEventsConfig.parse(config.kv_events_config)
+        if not events.active:
+            return None
+        if not config.enable_prefix_caching:
+            log.warning("KV events need the prefix cache: none are published with prefix caching off")
+            return None
+        if jax.process_index() != 0:
+            return None  # multi-host: the leader's scheduler owns the caches
+        from jaxserve.cache.block_hash import BlockHasher
+        from jaxserve.cache.kv_events import KVEventRecorder, ZmqEventPublisher
+
+        hasher = BlockHasher(config.prefix_caching_hash_algo)
+        return lambda rank: KVEventRecorder(hasher, ZmqEventPublisher(events, rank, hasher.external))
+
+    def _flush_kv_events(self) -> None:
+        """Once per step: each replica's events of the step become one published batch."""
+        for r in self.replicas:
+            if r.prefix_cache is not None and r.prefix_cache.events is not None:
+                r.prefix_cache.events.flush()
+
+    def close(self) -> None:
+        """Publish the last KV events and close their sockets (the server calls this at shutdown)."""
+        self._flush_kv_events()
+        for r in self.replicas:
+            events = r.prefix_cache.events if r.prefix_cache is not None else None
+            if events is not None and events.publisher is not None:
+                events.publisher.close()
+                events.publisher = None
 
     # ---- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -287,6 +322,7 @@ class LLMEngine:
         failed = [self._failed_output(req) for replica in self.replicas for req in replica.scheduler.take_failed()]
         if all(plan is None for plan in plans) and not self._in_flight:
             self.keep_followers_alive()
+            self._flush_kv_events()  # what aborts and failures evicted or cached meanwhile
             return failed
         if self.broadcaster is not None and any(plan is not None for plan in plans):
             self.broadcaster.send([r.runner for r in self.replicas], plans)  # the followers launch the same
@@ -321,6 +357,7 @@ class LLMEngine:
         for x, (token_ids, logprobs) in results:
             prompt_lps = self._fetch_prompt_logprobs(x) if x.plan.wants_prompt_logprobs else None
             outputs += self._collect(x.replica, x.plan, token_ids, logprobs, prompt_lps, now)
+        self._flush_kv_events()
         return outputs
 
     @staticmethod
