@@ -203,17 +203,28 @@ class ZmqEventPublisher:
                     return
                 continue
             if item is None:
+                self._queue.task_done()
                 return
             ts, events = item
             try:
                 payload = encode_batch(ts, events, self.rank, self._external, self._as_map)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
+                self.published_batches += 1
+                seq += 1
             except Exception:  # noqa: BLE001 - a broken batch must not stop the stream
                 log.exception("KV events: batch %d could not be published", seq)
-                continue
-            self._buffer.append((seq, payload))
-            self.published_batches += 1
-            seq += 1
+            finally:
+                self._queue.task_done()
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued batch is published; whether that happened within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.002)
+        return True
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

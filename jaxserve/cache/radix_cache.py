@@ -197,9 +197,10 @@ class RadixCache:
             queue.extend(node.children.values())
         return out
 
-    def block_hashes(self) -> set:
-        """Every page's block hash (KV events on): what a subscriber should have rebuilt."""
-        return {h for n in self._nodes() for h in n.hashes}
+    def block_hashes(self) -> set[int]:
+        """Every page's block hash as events carry it (KV events on): what a subscriber rebuilds."""
+        external = self.events.hasher.external
+        return {external(h) for n in self._nodes() for h in n.hashes}
 
     def _nodes(self) -> list[_Node]:
         out, stack = [], list(self.root.children.values())
