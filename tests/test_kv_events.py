@@ -184,6 +184,11 @@ def test_block_hashes_match_independent_references():
         data += len(block).to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in block)
         return int.from_bytes(siphash24.siphash13(data, key=bytes(16)).digest(), "little")
 
+    from jaxserve.cache.block_hash import siphash13
+
+    for n in (0, 7, 8, 9, 63, 64, 100):  # the pure-Python SipHash (used without siphash24 installed)
+        data = bytes(range(n))
+        assert siphash13(data) == int.from_bytes(siphash24.siphash13(data, key=bytes(16)).digest(), "little")
     s = BlockHasher("siphash13", "7")
     k1 = router_key(7, None, tokens[:8])
     assert s.chain(None, tokens, 8) == [k1, router_key(7, k1, tokens[8:])]

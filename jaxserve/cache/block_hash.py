@@ -69,6 +69,24 @@ def sha256_cbor(value: object) -> bytes:
     return hashlib.sha256(_cbor(value)).digest()
 
 
+class _TokenCbor(dict):
+    """Token id -> its CBOR bytes, filled on first use (a block's tokens then encode by lookups);
+    bounded by the vocabulary."""
+
+    def __missing__(self, token: int) -> bytes:
+        self[token] = out = _cbor(token)
+        return out
+
+
+_TOKEN_CBOR = _TokenCbor()
+
+
+def _block_cbor(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """_cbor((parent, tuple(tokens), None)) for a 32-byte parent, ~10x faster (the hot case)."""
+    return (b"\x83\x58\x20" + parent + _cbor_head(4, len(tokens))
+            + b"".join(map(_TOKEN_CBOR.__getitem__, tokens)) + b"\xf6")
+
+
 def sha256_pickle(value: object) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
@@ -79,6 +97,8 @@ def _rotl(x: int, b: int) -> int:
 
 
 def siphash13(data: bytes, k0: int = 0, k1: int = 0) -> int:
+    """SipHash-1-3 as a u64 (pure Python, ~40 us a block; the siphash24 package, when installed,
+    does it in C: see _siphash13_zero_keys)."""
     v0, v1 = k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D
     v2, v3 = k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573
 
@@ -104,6 +124,15 @@ def siphash13(data: bytes, k0: int = 0, k1: int = 0) -> int:
     return v0 ^ v1 ^ v2 ^ v3
 
 
+try:  # optional accelerator
+    import siphash24 as _siphash24
+
+    def _siphash13_zero_keys(data: bytes) -> int:
+        return int.from_bytes(_siphash24.siphash13(data, key=bytes(16)).digest(), "little")
+except ImportError:
+    _siphash13_zero_keys = siphash13
+
+
 class BlockHasher:
     """Chained block hashes for one algorithm and seed (one per process, like vLLM's NONE_HASH)."""
 
@@ -124,13 +153,16 @@ class BlockHasher:
 
     def _sha_block(self, parent: object, tokens: Sequence[int]) -> bytes:
         """parent: the previous block's digest, or None for a prompt's first block."""
-        return self._fn((self.none_hash if parent is None else parent, tuple(tokens), None))
+        parent = self.none_hash if parent is None else parent
+        if self._fn is sha256_cbor:
+            return hashlib.sha256(_block_cbor(parent, tokens)).digest()
+        return self._fn((parent, tuple(tokens), None))
 
     def _siphash_block(self, parent: object, tokens: Sequence[int]) -> int:
         # The bytes Rust's derived Hash writes: u64 seed, Option discriminant (isize) and payload,
         # the slice's length (usize) and its u32 elements, all little-endian (x86-64, aarch64).
         head = struct.pack("<QQ", self._seed, 0) if parent is None else struct.pack("<QQQ", self._seed, 1, parent)
-        return siphash13(head + struct.pack(f"<Q{len(tokens)}I", len(tokens), *tokens))
+        return _siphash13_zero_keys(head + struct.pack(f"<Q{len(tokens)}I", len(tokens), *tokens))
 
     def chain(self, parent: object, token_ids: Sequence[int], page_size: int) -> list:
         """Hashes of the whole pages of token_ids, following the block hashed `parent`."""
