@@ -50,9 +50,11 @@ class Mirror:
     socket (vLLM's protocol: a DEALER sends [b"", start seq]; replies [b"", seq, payload], then
     seq -1 with an empty payload). Checks the wire format and, for sha256_cbor, every hash."""
 
-    def __init__(self, port: int, topic: bytes = b"", check_sha256_cbor: bool = True, late: bool = False):
+    def __init__(self, port: int, topic: bytes = b"", check_sha256_cbor: bool = True, late: bool = False,
+                 replay_port: int | None = None):
         ctx = zmq.Context.instance()
         self.port = port
+        self.replay_port = port + 1 if replay_port is None else replay_port
         self.sub = ctx.socket(zmq.SUB)
         self.sub.connect(f"tcp://127.0.0.1:{port}")
         self.sub.subscribe(topic)
@@ -89,7 +91,7 @@ class Mirror:
 
     def replay(self) -> None:
         dealer = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{self.port + 1}")
+        dealer.connect(f"tcp://127.0.0.1:{self.replay_port}")
         dealer.send_multipart([b"", self.next_seq.to_bytes(8, "big")])
         try:
             while True:
@@ -113,9 +115,9 @@ class Mirror:
         assert isinstance(ts, float) and abs(ts - time.time()) < 60 and isinstance(rank, int)
         self.ranks.add(rank)
         for ev in events:
-            if isinstance(ev, dict):  # vLLM >= 0.24: tagged maps
+            if isinstance(ev, dict):  # later vLLM: tagged maps
                 tag, f = ev["type"], ev
-            else:  # vLLM <= 0.23: tagged arrays, fields in declaration order
+            else:  # vLLM 0.23 and earlier: tagged arrays, fields in declaration order
                 tag = ev[0]
                 names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
                                          "lora_id", "medium", "lora_name"),
@@ -417,6 +419,65 @@ def test_engine_publishes_one_batch_a_step_under_memory_pressure(tiny_llama, mon
         mirror.close()
         engine.close()
     assert engine.prefix_cache.events.publisher is None
+
+
+def _dp_worker(model: str, port: int) -> None:
+    """In a process with 2 CPU devices: a 2x1 mesh (two replicas, two caches, two publishers)."""
+    import sys
+
+    from jaxserve import LLM, SamplingParams
+
+    # Replica r publishes on port + r and replays on port + 10 + r (ports apart by more than the
+    # replica count, or replica 1's PUB port would be replica 0's replay port).
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 10}"}
+    llm = LLM(model=model, **small_engine_options(mesh="2x1", num_pages=24, max_model_len=96,
+                                                  kv_events_config=json.dumps(events)))
+    print("ready", flush=True)
+    sys.stdin.readline()  # the subscribers are connected
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 60))] for _ in range(8)]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for r in llm.engine.replicas:
+        assert r.prefix_cache.events.publisher.drain()
+    llm.engine.check_invariants()
+    print(json.dumps([sorted(r.prefix_cache.block_hashes()) for r in llm.engine.replicas]), flush=True)
+    sys.stdin.readline()  # the subscribers have compared
+    llm.engine.close()
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_publish_separately(tiny_llama):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONHASHSEED=SEED)
+    tests = Path(__file__).parent
+    code = f"import test_kv_events as t; t._dp_worker({str(tiny_llama)!r}, {port})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tests, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    mirrors = []
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        mirrors = [Mirror(port + r, replay_port=port + 10 + r) for r in range(2)]
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        expected = json.loads(proc.stdout.readline())
+        for rank, (mirror, hashes) in enumerate(zip(mirrors, expected)):
+            mirror.pump()
+            assert mirror.ranks == {rank} and mirror.hashes == set(hashes) and hashes
+        assert not set(expected[0]) & set(expected[1])  # distinct prompts: no block in both caches
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+        assert proc.wait(60) == 0
+    finally:
+        for m in mirrors:
+            m.close()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_engine_without_events_has_no_recorder(tiny_llama):

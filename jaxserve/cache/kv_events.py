@@ -249,7 +249,7 @@ class ZmqEventPublisher:
         if self._thread.is_alive():
             log.warning("KV events: replica %d's publisher did not drain in %.1f s", self.rank, timeout)
             return  # the thread still owns the sockets; it is a daemon and goes with the process
-        self._pub.close(linger=0)
+        self._pub.close(linger=500)  # a moment for the last batches to leave
         if self._replay is not None:
             self._replay.close(linger=0)
 
