@@ -28,6 +28,7 @@ and turned into the 64-bit wire form only on the publisher's thread.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import struct
@@ -36,6 +37,8 @@ from typing import Callable, Sequence
 HASH_ALGOS = ("sha256_cbor", "sha256", "siphash13")
 
 _MASK64 = (1 << 64) - 1
+
+log = logging.getLogger(__name__)
 
 
 # ---- canonical CBOR (RFC 8949 section 4.2.1) of the few types a block-hash tuple holds --------
@@ -147,6 +150,9 @@ class BlockHasher:
             self.hash_block: Callable[[object, Sequence[int]], object] = self._siphash_block
             return
         self._fn = sha256_cbor if algo == "sha256_cbor" else sha256_pickle
+        if seed in (None, "random"):
+            log.warning("PYTHONHASHSEED is not set: KV-event block hashes start from a random seed, so no "
+                        "router can recompute them (as in vLLM); set it to the value the router uses")
         # PYTHONHASHSEED="random" counts as unset, as in Python itself.
         self.none_hash = self._fn(seed) if seed not in (None, "random") else os.urandom(32)
         self.hash_block = self._sha_block

@@ -174,6 +174,9 @@ class LLMEngine:
                                  config.attention_backend, mesh=mesh)
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
         del params
+        # The replicas' KV-event recorders (empty when events are off: the per-step flush is then free).
+        self._kv_recorders = [r.prefix_cache.events for r in self.replicas
+                              if r.prefix_cache is not None and r.prefix_cache.events is not None]
         # Replica 0 under the single-replica names (what tests, metrics and scripts read).
         first = self.replicas[0]
         self.pool, self.prefix_cache, self.scheduler, self.runner = (first.pool, first.prefix_cache,
@@ -235,18 +238,16 @@ class LLMEngine:
 
     def _flush_kv_events(self) -> None:
         """Once per step: each replica's events of the step become one published batch."""
-        for r in self.replicas:
-            if r.prefix_cache is not None and r.prefix_cache.events is not None:
-                r.prefix_cache.events.flush()
+        for recorder in self._kv_recorders:
+            recorder.flush()
 
     def close(self) -> None:
         """Publish the last KV events and close their sockets (the server calls this at shutdown)."""
         self._flush_kv_events()
-        for r in self.replicas:
-            events = r.prefix_cache.events if r.prefix_cache is not None else None
-            if events is not None and events.publisher is not None:
-                events.publisher.close()
-                events.publisher = None
+        for recorder in self._kv_recorders:
+            if recorder.publisher is not None:
+                recorder.publisher.close()
+                recorder.publisher = None
 
     # ---- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
