@@ -13,7 +13,9 @@ from typing import Any
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the embedded default model
     mesh: str = "1x1"
-    dtype: str = "float32"
+    # "auto": bfloat16 on TPU and GPU, float32 on CPU (XLA's CPU bf16 dots are ~20x slower than f32),
+    # resolved at start-up by the engine (`LLMEngine.config.dtype` holds the choice).
+    dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = 2048  # None: the model's own context length
@@ -69,8 +71,8 @@ class EngineConfig:
 
         data, model = parse_mesh(self.mesh)  # whether the devices can form it is checked at start-up
         self.mesh = f"{data}x{model}"
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         from jaxserve.cache.block_hash import HASH_ALGOS
         from jaxserve.cache.kv_events import KVEventsConfig
 

@@ -6,6 +6,7 @@ LLM API drives it in a loop; the AsyncEngine drives it from its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 import logging
@@ -126,9 +127,13 @@ class Replica:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         from jaxserve import parallel
-        from jaxserve.loading import load_tokenizer, load_weights, resolve_dtype
+        from jaxserve.loading import auto_dtype, load_tokenizer, load_weights, resolve_dtype
         from jaxserve.models.llama import LlamaForCausalLM
 
+        if config.dtype == "auto":
+            platform = jax.default_backend()
+            config = dataclasses.replace(config, dtype=auto_dtype(platform))
+            log.info("dtype auto: %s on %s", config.dtype, platform)
         self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
@@ -165,13 +170,14 @@ class LLMEngine:
                 from jaxserve.cache.radix_cache import RadixCache
 
                 prefix_cache = RadixCache(pool, make_event_recorder(index) if make_event_recorder else None)
+            runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
+                                 config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs)
             scheduler = Scheduler(
                 pool, self.buckets, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
-                prefix_cache=prefix_cache, policy=config.scheduling_policy, static=config.scheduler == "static",
+                num_penalty_slots=runner.num_penalty_slots, prefix_cache=prefix_cache,
+                policy=config.scheduling_policy, static=config.scheduler == "static",
             )
-            runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
-                                 config.attention_backend, mesh=mesh)
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
         del params
         # The replicas' KV-event recorders (empty when events are off: the per-step flush is then free).
@@ -471,6 +477,7 @@ class LLMEngine:
                 r.prefix_cache.check_invariants()
                 external = r.prefix_cache.external_refs()
             r.pool.check_invariants(external)
+            r.scheduler.check_invariants()
 
     @property
     def compiles_after_warmup(self) -> int:

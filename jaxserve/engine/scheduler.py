@@ -83,6 +83,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         history_len: int,
+        num_penalty_slots: int | None = None,
         prefix_cache: object | None = None,
         policy: str = "fcfs",
         static: bool = False,
@@ -101,6 +102,11 @@ class Scheduler:
         self.num_preemptions = 0
         self._running_groups: dict[str, list[Request]] = {}  # group_id -> its running siblings
         self._failed: list[Request] = []  # failed alone while preparing a step, not yet reported
+        # Slots of the runner's penalty state: a running request that uses penalties holds one.
+        self.num_penalty_slots = max_num_seqs if num_penalty_slots is None else num_penalty_slots
+        if self.num_penalty_slots < max_num_seqs:
+            raise ValueError(f"{self.num_penalty_slots} penalty slots cannot serve {max_num_seqs} sequences")
+        self._free_penalty_slots = list(range(self.num_penalty_slots - 1, -1, -1))
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -145,6 +151,18 @@ class Scheduler:
             self.prefix_cache.unlock(req.cache_node)
             req.cache_node = None
         self.pool.free(req.request_id)
+        # A launched step may still count a token into the slot: the next holder's first step
+        # rebuilds it whole, and is launched after that one.
+        if req.penalty_slot is not None:
+            self._free_penalty_slots.append(req.penalty_slot)
+            req.penalty_slot = None
+
+    def check_invariants(self) -> None:
+        """Penalty slots: each held by at most one running request, the rest free."""
+        held = [r.penalty_slot for r in self.running if r.penalty_slot is not None]
+        assert all(r.penalty_slot is None for r in self.waiting), "a waiting request holds a penalty slot"
+        assert sorted(held + self._free_penalty_slots) == list(range(self.num_penalty_slots)), \
+            (held, self._free_penalty_slots)
 
     def take_failed(self) -> list[Request]:
         """Requests failed alone since the last call (finished, pages freed, `error` set)."""
@@ -329,15 +347,17 @@ class Scheduler:
         page_size = self.pool.page_size
         if not scheduled:
             return None
-        uses_penalties = any(s.request.params.uses_penalties for s in scheduled)
+        # The [S, history] array only when a request starts sampling with penalties: its history
+        # goes to the device once, into its slot of the penalty state; otherwise the runner
+        # passes a constant that already sits on the device.
+        builds_penalties = any(s.sample and s.request.params.uses_penalties and s.request.penalty_slot is None
+                               for s in scheduled)
         while True:  # once more without any request whose sampling values fail (rare)
             failed: list[ScheduledSeq] = []
             num_tokens = sum(s.num_tokens for s in scheduled)
             max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
             T, S, P = self.buckets.pick(num_tokens, max_pages)
-            # The [S, history] array only when a row uses penalties: otherwise the runner passes
-            # a constant that already sits on the device.
-            samp = empty_sampling_arrays(S, self.history_len, with_history=uses_penalties)
+            samp = empty_sampling_arrays(S, self.history_len, with_history=builds_penalties)
             for i, s in enumerate(scheduled):
                 try:
                     # Sampling first: it is what can fail on a user's value, before any row is written.
@@ -350,6 +370,9 @@ class Scheduler:
             scheduled = [s for s in scheduled if all(s is not f for f in failed)]  # rows stay dense
             if not scheduled:
                 return None
+        for i, s in enumerate(scheduled):  # the rows are final: penalty slots can be handed out
+            if s.sample and s.request.params.uses_penalties:
+                self._fill_penalties(samp, i, s.request)
         n = len(scheduled)
         starts = np.fromiter((s.start for s in scheduled), np.int32, n)
         lens = np.fromiter((s.num_tokens for s in scheduled), np.int32, n)
@@ -423,10 +446,26 @@ class Scheduler:
         num_out = len(req.output_token_ids) + req.num_pending
         samp["steps"][i] = num_out
         samp["want_logprobs"][i] = p.logprobs is not None
-        if p.uses_penalties:  # (the plan then has the history array)
-            samp["repetition_penalty"][i] = p.repetition_penalty
-            samp["presence_penalty"][i] = p.presence_penalty
-            samp["frequency_penalty"][i] = p.frequency_penalty
+        if num_out < p.min_tokens:
+            # A stop id past int32 is past any vocabulary: never sampled, nothing to ban.
+            banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + [t for t in p.stop_token_ids
+                                                                          if t <= _INT32_MAX]
+            banned = banned[:MAX_BANNED]
+            samp["banned"][i, : len(banned)] = banned
+
+    def _fill_penalties(self, samp: dict[str, np.ndarray], i: int, req: Request) -> None:
+        """Penalty values and slot of a row that samples; a request new to its slot sends its
+        history (the plan then has the history array), once."""
+        p = req.params
+        samp["repetition_penalty"][i] = p.repetition_penalty
+        samp["presence_penalty"][i] = p.presence_penalty
+        samp["frequency_penalty"][i] = p.frequency_penalty
+        if req.penalty_slot is None:
+            if not self._free_penalty_slots:  # a slot per running request: never, unless a bug
+                raise RuntimeError(f"no free penalty slot among {self.num_penalty_slots} "
+                                   f"with {len(self.running)} requests running")
+            req.penalty_slot = self._free_penalty_slots.pop()
+            samp["penalty_init"][i] = True
             # The last history_len tokens; a pending one (at most one: the input of this decode)
             # goes last, filled in on device from the launched step's sampled ids.
             pend = req.num_pending
@@ -437,12 +476,7 @@ class Scheduler:
                 samp["pending_col"][i] = len(hist)
             total = req.num_tokens + pend
             samp["prompt_lens"][i] = max(0, req.num_prompt_tokens - (total - len(hist) - pend))
-        if num_out < p.min_tokens:
-            # A stop id past int32 is past any vocabulary: never sampled, nothing to ban.
-            banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + [t for t in p.stop_token_ids
-                                                                          if t <= _INT32_MAX]
-            banned = banned[:MAX_BANNED]
-            samp["banned"][i, : len(banned)] = banned
+        samp["penalty_slot"][i] = req.penalty_slot
 
     # ---- after the device step --------------------------------------------------------------
     def update(self, plan: StepPlan, token_ids: np.ndarray, logprobs: tuple | None = None,
