@@ -195,6 +195,11 @@ def test_block_hashes_match_independent_references():
     k1 = router_key(7, None, tokens[:8])
     assert s.chain(None, tokens, 8) == [k1, router_key(7, k1, tokens[8:])]
     assert s.external(k1) == k1
+    # Known answers from Rust itself (rustc 1.95, std DefaultHasher, the router's compute_block_hash
+    # body: seed.hash(h); parent.hash(h); tokens.hash(h); h.finish()).
+    assert s.chain(None, tokens, 8) == [13928557431392599691, 2127825339292582985]
+    assert BlockHasher("siphash13", "0").hash_block(2**64 - 1, [0, 23, 24, 255, 256, 65535, 65536, 151_000]) \
+        == 12923077746705967152
     # Unseeded, vLLM draws a random first parent: hashes then differ between processes.
     assert BlockHasher("sha256_cbor", "random").none_hash != BlockHasher("sha256_cbor", "random").none_hash
 
