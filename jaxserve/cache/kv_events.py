@@ -6,11 +6,13 @@ batch: [topic (utf-8), sequence number (8 bytes, big-endian, from 0), msgpack pa
 is vLLM's `KVEventBatch` (msgspec, array_like): [ts: float64, [event, ...], data_parallel_rank].
 Events are msgspec tagged structs; two encodings exist (`event_encoding`, a jaxserve key):
 
-- "array" (default; vLLM 0.23 and earlier, msgspec array_like=True, tag first):
-  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
-  ["BlockRemoved", block_hashes, medium]      ["AllBlocksCleared"]
-  vllm-router's kv_aware decoder (src/kv_events/decoder.rs) reads only this one.
-- "map" (later vLLM, from PR #42892; seen in 0.26): {"type": "BlockStored", "block_hashes": ..., ...}, same fields.
+- "map" (default; vLLM since PR #42892, seen in 0.26): {"type": "BlockStored", "block_hashes": ...,
+  "parent_block_hash": ..., "token_ids": ..., "block_size": ..., "lora_id": None, "medium": "GPU",
+  "lora_name": None}, {"type": "BlockRemoved", "block_hashes": ..., "medium": "GPU"},
+  {"type": "AllBlocksCleared"}. vllm-router 0.1.17 (kv_aware) reads only this one: it logs
+  "KV event must be a tagged map" for arrays (tried here, 2026-12-05).
+- "array" (vLLM 0.23 and earlier, msgspec array_like=True): the same fields by position, tag first,
+  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name].
 llm-d's indexer and Dynamo read both. Fields vLLM leaves at their defaults (extra_keys, group_idx,
 kv_cache_spec_*) are omitted, as msgspec's omit_defaults does. Block hashes are uint64
 (block_hash.py says which hash); medium is "GPU", the name vLLM gives its device KV cache.
@@ -64,7 +66,7 @@ class KVEventsConfig:
     hwm: int = 100_000  # ZMQ send high-water mark: past it, PUB drops for a slow subscriber
     max_queue_size: int = 100_000  # batches waiting for the publisher thread
     topic: str = ""
-    event_encoding: str = "array"  # jaxserve: "array" (vLLM <= 0.23) or "map" (later vLLM)
+    event_encoding: str = "map"  # jaxserve: "map" (vLLM since #42892) or "array" (vLLM <= 0.23)
 
     def __post_init__(self) -> None:
         if self.publisher is None:
