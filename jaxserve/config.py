@@ -37,7 +37,7 @@ class EngineConfig:
     # Off by default; see jaxserve/cache/kv_events.py.
     kv_events_config: str | None = None
     # The block hash KV events carry (vLLM's flag of the same name): "sha256_cbor", "sha256", or
-    # "siphash13" (what vllm-router's kv_aware policy computes). See jaxserve/cache/block_hash.py.
+    # "siphash13" (older vllm-router kv_aware keys). See jaxserve/cache/block_hash.py.
     prefix_caching_hash_algo: str = "sha256_cbor"
     seed: int = 0
 

@@ -15,11 +15,12 @@ router, so three are offered (EngineConfig.prefix_caching_hash_algo):
   not a dependency); tests check it against cbor2.
 - "sha256": vLLM's default algorithm, the same tuple through pickle (protocol 5): reproducible only
   from Python, and pickle's bytes may change between Python versions.
-- "siphash13": what vllm-router's `kv_aware` policy computes for a prompt (its
-  src/kv_index/block_hash.rs `BlockKeyGenerator`): Rust's DefaultHasher (SipHash-1-3, zero keys)
-  over (seed: u64, parent: Option<u64>, tokens: &[u32]); the router's `hash_seed` (default 0) is
-  our PYTHONHASHSEED or 0. That router indexes the hashes an engine announces and looks them up by
-  its own keys, so vLLM's sha256 hashes never match there; these do.
+- "siphash13": the keys of vllm-router's older kv_aware code (its src/kv_index/block_hash.rs
+  `BlockKeyGenerator`): Rust's DefaultHasher (SipHash-1-3, zero keys) over (seed: u64, parent:
+  Option<u64>, tokens: &[u32]), the router's `hash_seed` (default 0) being our PYTHONHASHSEED or 0.
+  That code indexed the engine's hashes and looked them up by its own keys, so vLLM's sha256 hashes
+  never matched there; these do. vllm-router 0.1.17 keys blocks by their token ids instead and
+  takes any of the three (tried; docs/kv_events.md).
 
 Hashes are kept by the radix tree in their internal form (32-byte digests, or ints for siphash13)
 and turned into the 64-bit wire form only on the publisher's thread.
