@@ -522,3 +522,74 @@ def test_server_publishes_kv_events_and_closes_on_sigterm(tmp_path_factory, monk
         mirror.close()
         if server["proc"].poll() is None:
             server["proc"].kill()
+
+
+def _router_executable() -> str | None:
+    import os
+    import shutil
+
+    return os.environ.get("JAXSERVE_VLLM_ROUTER") or shutil.which("vllm-router")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(_router_executable() is None, reason="no vllm-router (set JAXSERVE_VLLM_ROUTER or put it on PATH)")
+def test_vllm_router_kv_aware_sends_each_prefix_to_the_server_that_cached_it(tmp_path_factory):
+    """Two jaxserve servers behind `vllm-router --policy kv_aware`: each caches one prompt (sent to
+    it directly); through the router, continuations of each prompt reach the server holding it
+    (their usage shows the cached prefix). Random routing would pass 1 time in 16."""
+    import re
+    import subprocess
+
+    from test_server_robust import free_port as http_port
+    from test_server_robust import make_full_vocab_tiny, request, start_server
+
+    model = make_full_vocab_tiny(tmp_path_factory.mktemp("kvrouter"))
+    xla = tmp_path_factory.mktemp("kvrouterxla")
+    ports = [free_port(), free_port()]
+    servers = [start_server(model, xla, "--kv-events-config", events_json(p)) for p in ports]
+    router_port = http_port()
+    log_path = xla / "router.log"
+    cmd = [_router_executable(), "--host", "127.0.0.1", "--port", str(router_port), "--prometheus-port",
+           str(http_port()), "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", "tiny",
+           "--log-level", "debug", "--worker-urls", *[s["base"] for s in servers]]
+    for s, p in zip(servers, ports):
+        cmd += ["--kv-event-source", f"{s['base']}={'tcp://127.0.0.1:%d' % p}",
+                "--kv-event-replay-source", f"{s['base']}={'tcp://127.0.0.1:%d' % (p + 1)}"]
+    router = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{router_port}"
+        deadline = time.time() + 120
+        while True:
+            assert router.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if request("GET", base + "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        rng = random.Random(3)
+        prompts = [[rng.randrange(100, 40000) for _ in range(40)] for _ in servers]  # 2 full pages each
+
+        def complete(url: str, prompt: list[int]) -> int:
+            status, _, body = request("POST", url + "/v1/completions",
+                                      {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert status == 200, body
+            return json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        for s, prompt in zip(servers, prompts):
+            assert complete(s["base"], prompt) == 0
+        time.sleep(2)  # the events reach the router
+        for rep in range(2):
+            for prompt in prompts:
+                assert complete(base, prompt + [7 + rep] * 5) == 32  # only the server that has it can hit
+        text = re.sub(r"\x1b\[[0-9;]*m", "", log_path.read_text())
+        assert "tagged map" not in text
+        assert len(re.findall(r"credited_prefix_tokens=32", text)) >= 4, text[-3000:]
+    finally:
+        router.kill()
+        router.wait()
+        for s in servers:
+            s["proc"].kill()
+            s["proc"].wait()
