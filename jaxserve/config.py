@@ -32,6 +32,13 @@ class EngineConfig:
     max_waiting: int = 1024  # bounded queue: past it, submissions are refused
     compile_ahead: bool = True  # compile every bucket at start-up
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None: no persistent cache
+    # KV-cache events for KV-aware routers, vLLM's --kv-events-config JSON (a mapping in YAML), e.g.
+    # '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'.
+    # Off by default; see jaxserve/cache/kv_events.py.
+    kv_events_config: str | None = None
+    # The block hash KV events carry (vLLM's flag of the same name): "sha256_cbor", "sha256", or
+    # "siphash13" (older vllm-router kv_aware keys). See jaxserve/cache/block_hash.py.
+    prefix_caching_hash_algo: str = "sha256_cbor"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,6 +73,13 @@ class EngineConfig:
         self.mesh = f"{data}x{model}"
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        from jaxserve.cache.block_hash import HASH_ALGOS
+        from jaxserve.cache.kv_events import KVEventsConfig
+
+        KVEventsConfig.parse(self.kv_events_config)  # a bad JSON fails at start-up, not at the first step
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}; "
+                             f"got {self.prefix_caching_hash_algo!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":

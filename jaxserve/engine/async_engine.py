@@ -150,6 +150,9 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join()
+        close = getattr(self.engine, "close", None)  # test doubles may have none
+        if close is not None:
+            close()  # the last KV events out, their sockets closed
 
     def _acquire_between_steps(self, counted: bool = False) -> None:
         """Take the engine lock between two steps: the loop re-takes a plain Lock at once, so it

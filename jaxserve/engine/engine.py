@@ -160,6 +160,7 @@ class LLMEngine:
         max_pages_per_seq = -(-self.max_model_len // page_size)
         self.buckets = Buckets.create(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
         self.replicas: list[Replica] = []
+        make_event_recorder = self._kv_event_recorders(config)
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
             arrays = parallel.shard_params(params, mesh, dtype)  # each device gets only its slices
             inv_freq = jax.device_put(rope_inv_freq(cfg), parallel.replicated(mesh))
@@ -169,7 +170,7 @@ class LLMEngine:
             if config.enable_prefix_caching:
                 from jaxserve.cache.radix_cache import RadixCache
 
-                prefix_cache = RadixCache(pool)
+                prefix_cache = RadixCache(pool, make_event_recorder(index) if make_event_recorder else None)
             runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
                                  config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs)
             scheduler = Scheduler(
@@ -180,6 +181,9 @@ class LLMEngine:
             )
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
         del params
+        # The replicas' KV-event recorders (empty when events are off: the per-step flush is then free).
+        self._kv_recorders = [r.prefix_cache.events for r in self.replicas
+                              if r.prefix_cache is not None and r.prefix_cache.events is not None]
         # Replica 0 under the single-replica names (what tests, metrics and scripts read).
         first = self.replicas[0]
         self.pool, self.prefix_cache, self.scheduler, self.runner = (first.pool, first.prefix_cache,
@@ -221,6 +225,38 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         # Structured output: grammars compiled against our tokenizer (llguidance's, built on first use).
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+
+    @staticmethod
+    def _kv_event_recorders(config: EngineConfig) -> Any:
+        """A factory of each replica's KV-event recorder (with its own ZMQ publisher), or None."""
+        from jaxserve.cache.kv_events import KVEventsConfig
+
+        events = KVEventsConfig.parse(config.kv_events_config)
+        if not events.active:
+            return None
+        if not config.enable_prefix_caching:
+            log.warning("KV events need the prefix cache: none are published with prefix caching off")
+            return None
+        if jax.process_index() != 0:
+            return None  # multi-host: the leader's scheduler owns the caches
+        from jaxserve.cache.block_hash import BlockHasher
+        from jaxserve.cache.kv_events import KVEventRecorder, ZmqEventPublisher
+
+        hasher = BlockHasher(config.prefix_caching_hash_algo)
+        return lambda rank: KVEventRecorder(hasher, ZmqEventPublisher(events, rank, hasher.external))
+
+    def _flush_kv_events(self) -> None:
+        """Once per step: each replica's events of the step become one published batch."""
+        for recorder in self._kv_recorders:
+            recorder.flush()
+
+    def close(self) -> None:
+        """Publish the last KV events and close their sockets (the server calls this at shutdown)."""
+        self._flush_kv_events()
+        for recorder in self._kv_recorders:
+            if recorder.publisher is not None:
+                recorder.publisher.close()
+                recorder.publisher = None
 
     # ---- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -302,6 +338,7 @@ class LLMEngine:
         failed = [self._failed_output(req) for replica in self.replicas for req in replica.scheduler.take_failed()]
         if all(plan is None for plan in plans) and not self._in_flight:
             self.keep_followers_alive()
+            self._flush_kv_events()  # what aborts and failures evicted or cached meanwhile
             return failed
         if self.broadcaster is not None and any(plan is not None for plan in plans):
             self.broadcaster.send([r.runner for r in self.replicas], plans)  # the followers launch the same
@@ -336,6 +373,7 @@ class LLMEngine:
         for x, (token_ids, logprobs) in results:
             prompt_lps = self._fetch_prompt_logprobs(x) if x.plan.wants_prompt_logprobs else None
             outputs += self._collect(x.replica, x.plan, token_ids, logprobs, prompt_lps, now)
+        self._flush_kv_events()
         return outputs
 
     @staticmethod
