@@ -1,9 +1,9 @@
 """jaxserve: LLM inference serving on JAX/XLA."""
 
 from jaxserve.config import EngineConfig
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "AsyncEngine"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "AsyncEngine"]
 
 
 def __getattr__(name: str):

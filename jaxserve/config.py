@@ -13,7 +13,9 @@ from typing import Any
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the embedded default model
     mesh: str = "1x1"
-    dtype: str = "float32"
+    # "auto": bfloat16 on TPU and GPU, float32 on CPU (XLA's CPU bf16 dots are ~20x slower than f32),
+    # resolved at start-up by the engine (`LLMEngine.config.dtype` holds the choice).
+    dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = 2048  # None: the model's own context length
@@ -30,6 +32,13 @@ class EngineConfig:
     max_waiting: int = 1024  # bounded queue: past it, submissions are refused
     compile_ahead: bool = True  # compile every bucket at start-up
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None: no persistent cache
+    # KV-cache events for KV-aware routers, vLLM's --kv-events-config JSON (a mapping in YAML), e.g.
+    # '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'.
+    # Off by default; see jaxserve/cache/kv_events.py.
+    kv_events_config: str | None = None
+    # The block hash KV events carry (vLLM's flag of the same name): "sha256_cbor", "sha256", or
+    # "siphash13" (older vllm-router kv_aware keys). See jaxserve/cache/block_hash.py.
+    prefix_caching_hash_algo: str = "sha256_cbor"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,8 +71,15 @@ class EngineConfig:
 
         data, model = parse_mesh(self.mesh)  # whether the devices can form it is checked at start-up
         self.mesh = f"{data}x{model}"
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        from jaxserve.cache.block_hash import HASH_ALGOS
+        from jaxserve.cache.kv_events import KVEventsConfig
+
+        KVEventsConfig.parse(self.kv_events_config)  # a bad JSON fails at start-up, not at the first step
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}; "
+                             f"got {self.prefix_caching_hash_algo!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":

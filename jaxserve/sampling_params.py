@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20  # top-n logprobs computed on device for every sampled token
 MAX_N = 16
@@ -14,6 +16,77 @@ FLOAT32_MAX = 3.4e38
 MAX_STOP = 64  # stop strings per request (each matched against the text after every token)
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+
+
+MAX_CHOICES = 1024  # structured output: strings in a `choice` list
+MAX_GRAMMAR_CHARS = 1 << 20  # structured output: a schema, regex or grammar, in characters
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's names: exactly one of `json` (a JSON schema, as a dict or
+    its JSON text), `regex`, `choice` (the output is one of these strings), `grammar` (Lark or GBNF,
+    as llguidance reads them) or `json_object=True` (any JSON object). `disable_any_whitespace`:
+    JSON without free whitespace between tokens. Only the shape is checked here; whether the schema,
+    regex or grammar compiles is checked when the request is added (jaxserve/engine/structured.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        if isinstance(self.json, str):
+            if len(self.json) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"structured_outputs.json must be at most {MAX_GRAMMAR_CHARS} characters")
+            try:
+                parsed = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string of at most "
+                                 f"{MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice or len(self.choice) > MAX_CHOICES
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when given")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "StructuredOutputsParams":
+        """From the `structured_outputs` body of a request (unknown keys are refused by name)."""
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError("structured_outputs must be an object")
+        known = set(_STRUCTURED_KINDS) | {"disable_any_whitespace"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unsupported field(s) {', '.join(unknown)}")
+        return cls(**d)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -35,6 +108,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n logprobs of every prompt token (vLLM's name; OpenAI's echo)
     n: int = 1
     skip_special_tokens: bool = True
+    # Constrained decoding (vLLM's name): a StructuredOutputsParams, or a dict of its fields.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +195,8 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in ids):
             raise bad("stop_token_ids", f"must be integers in [0, {INT32_MAX}]")
         self.stop_token_ids = ids
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -142,7 +142,13 @@ def launch_floor(llm, seqs: int, max_tokens: int, repeats: int = 50) -> dict:
     result["model_ms"] = per_call(model_only)
     logits = model_only()
     history = runner._empty_history(plan.bucket[1])
-    result["sampler_ms"] = per_call(lambda: sample_fn(logits, samp_buf, history, prev))
+
+    def sampler_only():
+        out, ids, runner.penalty_state = sample_fn(logits, samp_buf, history, prev, runner._no_mask(plan.bucket[1]),
+                                                   runner.penalty_state)
+        return out
+
+    result["sampler_ms"] = per_call(sampler_only)
     result["bucket"] = list(plan.bucket)
     return result
 

@@ -43,7 +43,9 @@ def old_sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     rows, vocab = logits.shape
     raw_logits = logits
     any_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-    logits = jax.lax.cond(any_penalty, sampler._apply_penalties, lambda l, _: l, logits, s)
+    logits = jax.lax.cond(any_penalty,
+                          lambda l, s: sampler._apply_penalties(l, s, *sampler._history_state(s, s.history, vocab)),
+                          lambda l, _: l, logits, s)
     banned_valid = s.banned >= 0
     row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], s.banned.shape)
     ban = jnp.zeros((rows, vocab), jnp.bool_).at[row_idx, jnp.where(banned_valid, s.banned, 0)].max(banned_valid)

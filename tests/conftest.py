@@ -100,13 +100,13 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model, ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
     import torch
 
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as ignore_eos does
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **generate_kwargs)
     return out[0, len(ids):].tolist()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.config import EngineConfig, add_engine_args, config_from_args
+from jaxserve.loading import auto_dtype
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -34,6 +35,11 @@ def test_unknown_yaml_key_and_bad_values(tmp_path):
                           (dict(attention_backend="cuda"), "attention_backend")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
+
+
+def test_dtype_auto_is_bfloat16_on_accelerators_float32_on_cpu():
+    assert EngineConfig().dtype == "auto"
+    assert [auto_dtype(p) for p in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
 
 
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))

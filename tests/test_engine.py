@@ -43,6 +43,7 @@ def test_batched_equals_alone_and_hf(llm_default, alone, hf_default_model):
         assert hf_greedy(hf_default_model, p, GREEDY.max_tokens) == r
     llm_default.engine.check_invariants()
     assert llm_default.engine.pool.num_free + llm_default.engine.prefix_cache.cached_pages() == llm_default.engine.num_pages - 1
+    assert llm_default.engine.config.dtype == "float32"  # dtype "auto" (the default) on CPU; HF parity above is float32
 
 
 @pytest.mark.parametrize("options", [
@@ -160,6 +161,23 @@ def test_top_k_one_is_greedy_and_penalties_change_output(llm_default):
                                use_tqdm=False)[0].outputs[0].token_ids
     assert pen != greedy
     assert len(set(pen)) >= len(set(greedy))
+
+
+def test_repetition_penalty_matches_hf(llm_default, hf_default_model):
+    """Penalties come from per-request state kept on the device (built from a request's history
+    once, then advanced by each step): greedy with HF's repetition penalty gives HF's tokens,
+    with penalized and plain requests in one batch."""
+    tok = llm_default.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("List of fruits: apple, banana,", "The capital of France is",
+                                       "1, 2, 3, 4,")]
+    pen = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = llm_default.generate(prompts + prompts[:1], [pen] * len(prompts) + [plain], use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_default_model, p, 20, repetition_penalty=1.3)
+    assert outs[-1].outputs[0].token_ids == hf_greedy(hf_default_model, prompts[0], 20)
+    assert outs[-1].outputs[0].token_ids != outs[0].outputs[0].token_ids  # the penalty mattered
+    llm_default.engine.check_invariants()  # every penalty slot back
 
 
 def test_too_large_requests_are_clear_errors(llm_default):

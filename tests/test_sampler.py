@@ -320,3 +320,62 @@ def test_greedy_is_jnp_argmax(vocab):
     x[6, [300, 1, 299]] = 7.0  # tied maxima in different blocks
     s = make_arrays([{} for _ in range(8)])
     np.testing.assert_array_equal(np.asarray(_jit_sample(jnp.asarray(x), s).token_ids), np.argmax(x, axis=1))
+
+
+def test_penalty_state_matches_the_stateless_history_sampler():
+    """The device-resident penalty state gives, step after step, the tokens that the stateless
+    sampler gives from each request's whole history: requests take slots, sample, leave, and a
+    newcomer takes a freed slot (its stale counts must not leak); rows without penalties and
+    padding rows share the batch. Greedy and sampled rows, all three penalties."""
+    vocab, rows, slots, hist_len = 48, 4, 3, 64
+    rng = np.random.default_rng(11)
+    stateful = jax.jit(sampler.sample_with_state)
+    state = sampler.empty_penalty_state(slots, vocab)
+    params = [dict(repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.5, temperature=0.0),
+              dict(repetition_penalty=1.3, temperature=0.8, seeds=7),
+              dict(frequency_penalty=1.5, temperature=0.0),
+              dict(temperature=0.0),  # no penalties: no slot
+              dict(presence_penalty=1.2, temperature=1.0, seeds=3)]
+    # (step it joins, step it leaves) per request; request 3 never holds a slot.
+    life = [(0, 5), (0, 12), (1, 9), (0, 12), (5, 12)]  # 4 joins as 0 leaves: it takes slot 0's place
+    prompts = [list(rng.integers(0, vocab, 6)) for _ in life]
+    outputs: list[list[int]] = [[] for _ in life]
+    slot_of: dict[int, int] = {}
+    free = list(range(slots))[::-1]
+    differs = 0
+    for step in range(12):
+        for r, (join, leave) in enumerate(life):
+            if step == leave and r in slot_of:
+                free.append(slot_of.pop(r))
+        active = [r for r, (join, leave) in enumerate(life) if join <= step < leave]
+        assert len(active) <= rows
+        # Penalties matter only where logits are close: a small spread.
+        logits = jnp.asarray(rng.standard_normal((rows, vocab)).astype(np.float32) * 0.5)
+        ref, new = empty_sampling_arrays(rows, hist_len), empty_sampling_arrays(rows, hist_len)
+        for i, r in enumerate(active):
+            history = prompts[r] + outputs[r]
+            for a in (ref, new):
+                for k, v in params[r].items():
+                    a[k][i] = v
+                a["steps"][i] = len(outputs[r])
+            ref["history"][i, : len(history)] = history
+            ref["prompt_lens"][i] = len(prompts[r])
+            if r == 3:
+                continue
+            if r not in slot_of:
+                slot_of[r] = free.pop()
+                new["penalty_init"][i] = True
+                new["history"][i, : len(history)] = history
+                new["prompt_lens"][i] = len(prompts[r])
+            new["penalty_slot"][i] = slot_of[r]
+        want = np.asarray(_jit_sample(logits, SamplingArrays(**{k: jnp.asarray(v) for k, v in ref.items()})).token_ids)
+        out, state = stateful(logits, SamplingArrays(**{k: jnp.asarray(v) for k, v in new.items()}), None, state)
+        got = np.asarray(out.token_ids)
+        np.testing.assert_array_equal(got[: len(active)], want[: len(active)], err_msg=f"step {step}")
+        for i, r in enumerate(active):
+            outputs[r].append(int(got[i]))
+        differs += int(np.sum(got[: len(active)] != np.asarray(jnp.argmax(logits, -1))[: len(active)]))
+    assert differs >= 5, differs  # penalties changed tokens: the comparison above is not vacuous
+    counts = np.asarray(state.counts)
+    for r, slot in slot_of.items():  # the live slots hold exactly their requests' output counts
+        np.testing.assert_array_equal(counts[slot], np.bincount(outputs[r], minlength=vocab))

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from jaxserve.cache.page_pool import PagePool
 
+if TYPE_CHECKING:
+    from jaxserve.cache.kv_events import KVEventRecorder, RawEvent
+
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock", "last_access")
+    __slots__ = ("key", "pages", "hashes", "children", "parent", "lock", "last_access")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: "_Node | None"):
         self.key = key  # tokens on the edge from the parent
         self.pages = pages
+        self.hashes: list | None = None  # block hash of each page (KV events only); replaced, never mutated
         self.children: dict[tuple[int, ...], _Node] = {}  # keyed by the first page of tokens
         self.parent = parent
         self.lock = 0
@@ -27,8 +31,11 @@ class _Node:
 
 
 class RadixCache:
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, events: "KVEventRecorder | None" = None):
         self.pool = pool
+        self.events = events
+        if events is not None:
+            events.snapshot = self.snapshot_events
         self.page_size = pool.page_size
         self.root = _Node((), [], None)
         self._clock = itertools.count(1)
@@ -57,9 +64,12 @@ class RadixCache:
     def _split(self, child: _Node, n: int) -> _Node:
         """Cut child's edge after n tokens; returns the new middle node."""
         parent = child.parent
-        mid = _Node(child.key[:n], child.pages[: n // self.page_size], parent)
+        k = n // self.page_size
+        mid = _Node(child.key[:n], child.pages[:k], parent)
         mid.lock, mid.last_access = child.lock, child.last_access
-        child.key, child.pages, child.parent = child.key[n:], child.pages[n // self.page_size:], mid
+        child.key, child.pages, child.parent = child.key[n:], child.pages[k:], mid
+        if child.hashes is not None:
+            mid.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
         mid.children[child.key[: self.page_size]] = child
         parent.children[mid.key[: self.page_size]] = mid
         return mid
@@ -128,6 +138,11 @@ class RadixCache:
             self.pool.incref(rest)
             leaf = _Node(tuple(token_ids[n:]), list(rest), node)
             node.children[leaf.key[: self.page_size]] = leaf
+            if self.events is not None:
+                # ~5 us a page (sha256_cbor), only with KV events on; the publisher thread encodes.
+                parent = node.hashes[-1] if node is not self.root else None
+                leaf.hashes = self.events.hasher.chain(parent, leaf.key, self.page_size)
+                self.events.stored(leaf.hashes, parent, leaf.key, self.page_size)
             node = leaf
         while node is not None:
             node.last_access = now
@@ -143,9 +158,10 @@ class RadixCache:
                 out.append(node)
         return out
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, record: bool = True) -> int:
         """Evict unlocked leaves, LRU first, until num_pages pages returned to the pool's free list
-        (pages that running sequences still hold leave the tree without becoming free)."""
+        (pages that running sequences still hold leave the tree without becoming free).
+        record=False: no BlockRemoved events (reset sends AllBlocksCleared instead)."""
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock == 0]
         heapq.heapify(heap)
         freed = 0
@@ -153,6 +169,8 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             freed += len(self.pool.decref(node.pages))
             self.evicted_pages += len(node.pages)
+            if record and self.events is not None:
+                self.events.removed(node.hashes)
             parent = node.parent
             del parent.children[node.key[: self.page_size]]
             if parent is not self.root and not parent.children and parent.lock == 0:
@@ -161,9 +179,29 @@ class RadixCache:
 
     def reset(self) -> int:
         """Evict everything that is not locked; returns pages freed."""
-        return self.evict(self.pool.num_pages)
+        # Nothing locked (the root counts every lock): the whole tree goes, one AllBlocksCleared says
+        # so. Otherwise the locked paths stay and each evicted node is reported as removed.
+        clear_all = self.events is not None and self.root.lock == 0 and bool(self.root.children)
+        freed = self.evict(self.pool.num_pages, record=not clear_all)
+        if clear_all:
+            self.events.cleared()
+        return freed
 
     # ---- introspection ----------------------------------------------------------------------
+    def snapshot_events(self) -> "list[RawEvent]":
+        """The whole tree as BlockStored events, parents first (a KV-event resync)."""
+        out, queue = [], list(self.root.children.values())
+        for node in queue:  # breadth first: the list grows as it is read
+            parent = node.parent.hashes[-1] if node.parent is not self.root else None
+            out.append(("stored", node.hashes, parent, node.key, self.page_size))
+            queue.extend(node.children.values())
+        return out
+
+    def block_hashes(self) -> set[int]:
+        """Every page's block hash as events carry it (KV events on): what a subscriber rebuilds."""
+        external = self.events.hasher.external
+        return {external(h) for n in self._nodes() for h in n.hashes}
+
     def _nodes(self) -> list[_Node]:
         out, stack = [], list(self.root.children.values())
         while stack:
@@ -200,6 +238,9 @@ class RadixCache:
             if n is self.root:
                 continue
             assert len(n.key) == len(n.pages) * self.page_size and n.pages, "edge is not whole pages"
+            if self.events is not None:
+                parent = n.parent.hashes[-1] if n.parent is not self.root else None
+                assert n.hashes == self.events.hasher.chain(parent, n.key, self.page_size), "stale block hashes"
             for p in n.pages:
                 assert p not in seen, f"page {p} twice in the tree"
                 seen.add(p)

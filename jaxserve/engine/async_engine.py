@@ -150,6 +150,9 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join()
+        close = getattr(self.engine, "close", None)  # test doubles may have none
+        if close is not None:
+            close()  # the last KV events out, their sockets closed
 
     def _acquire_between_steps(self, counted: bool = False) -> None:
         """Take the engine lock between two steps: the loop re-takes a plain Lock at once, so it
@@ -167,6 +170,10 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, server_id, label, client_label, sub_ids, prompt, params, priority, loop, queue, arrival,
                 prompt_text, cumulative) -> None:
+        if params.structured_outputs is not None:
+            # Compile the grammar here, outside the engine's lock (cached): add_request then only
+            # copies it, and a grammar that does not compile fails before anything is queued.
+            self.engine.grammars.compile(params.structured_outputs)
         with self._count_lock:
             if client_label:  # only clients' own ids are labels to look up (server ids are unique already)
                 if label in self._labels:

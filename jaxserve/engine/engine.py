@@ -6,6 +6,7 @@ LLM API drives it in a loop; the AsyncEngine drives it from its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 import logging
@@ -23,6 +24,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.models.llama import rope_inv_freq
 from jaxserve.sampling_params import SamplingParams
 
@@ -126,9 +128,13 @@ class Replica:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         from jaxserve import parallel
-        from jaxserve.loading import load_tokenizer, load_weights, resolve_dtype
+        from jaxserve.loading import auto_dtype, load_tokenizer, load_weights, resolve_dtype
         from jaxserve.models.llama import LlamaForCausalLM
 
+        if config.dtype == "auto":
+            platform = jax.default_backend()
+            config = dataclasses.replace(config, dtype=auto_dtype(platform))
+            log.info("dtype auto: %s on %s", config.dtype, platform)
         self.config = config
         enable_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
@@ -154,6 +160,7 @@ class LLMEngine:
         max_pages_per_seq = -(-self.max_model_len // page_size)
         self.buckets = Buckets.create(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
         self.replicas: list[Replica] = []
+        make_event_recorder = self._kv_event_recorders(config)
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
             arrays = parallel.shard_params(params, mesh, dtype)  # each device gets only its slices
             inv_freq = jax.device_put(rope_inv_freq(cfg), parallel.replicated(mesh))
@@ -163,16 +170,20 @@ class LLMEngine:
             if config.enable_prefix_caching:
                 from jaxserve.cache.radix_cache import RadixCache
 
-                prefix_cache = RadixCache(pool)
+                prefix_cache = RadixCache(pool, make_event_recorder(index) if make_event_recorder else None)
+            runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
+                                 config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs)
             scheduler = Scheduler(
                 pool, self.buckets, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
-                prefix_cache=prefix_cache, policy=config.scheduling_policy, static=config.scheduler == "static",
+                num_penalty_slots=runner.num_penalty_slots, prefix_cache=prefix_cache,
+                policy=config.scheduling_policy, static=config.scheduler == "static",
             )
-            runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
-                                 config.attention_backend, mesh=mesh)
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
         del params
+        # The replicas' KV-event recorders (empty when events are off: the per-step flush is then free).
+        self._kv_recorders = [r.prefix_cache.events for r in self.replicas
+                              if r.prefix_cache is not None and r.prefix_cache.events is not None]
         # Replica 0 under the single-replica names (what tests, metrics and scripts read).
         first = self.replicas[0]
         self.pool, self.prefix_cache, self.scheduler, self.runner = (first.pool, first.prefix_cache,
@@ -212,6 +223,40 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        # Structured output: grammars compiled against our tokenizer (llguidance's, built on first use).
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+
+    @staticmethod
+    def _kv_event_recorders(config: EngineConfig) -> Any:
+        """A factory of each replica's KV-event recorder (with its own ZMQ publisher), or None."""
+        from jaxserve.cache.kv_events import KVEventsConfig
+
+        events = KVEventsConfig.parse(config.kv_events_config)
+        if not events.active:
+            return None
+        if not config.enable_prefix_caching:
+            log.warning("KV events need the prefix cache: none are published with prefix caching off")
+            return None
+        if jax.process_index() != 0:
+            return None  # multi-host: the leader's scheduler owns the caches
+        from jaxserve.cache.block_hash import BlockHasher
+        from jaxserve.cache.kv_events import KVEventRecorder, ZmqEventPublisher
+
+        hasher = BlockHasher(config.prefix_caching_hash_algo)
+        return lambda rank: KVEventRecorder(hasher, ZmqEventPublisher(events, rank, hasher.external))
+
+    def _flush_kv_events(self) -> None:
+        """Once per step: each replica's events of the step become one published batch."""
+        for recorder in self._kv_recorders:
+            recorder.flush()
+
+    def close(self) -> None:
+        """Publish the last KV events and close their sockets (the server calls this at shutdown)."""
+        self._flush_kv_events()
+        for recorder in self._kv_recorders:
+            if recorder.publisher is not None:
+                recorder.publisher.close()
+                recorder.publisher = None
 
     # ---- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -243,9 +288,15 @@ class LLMEngine:
                              f"holds {capacity}; raise num_pages/kv_cache_memory or lower max_tokens")
         if sum(len(r.scheduler.waiting) for r in self.replicas) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        constraint = None
+        if params.structured_outputs is not None:
+            if self.multihost:  # followers would sample without the masks
+                raise ValueError("structured_outputs is not supported on a multi-host mesh")
+            constraint = self.grammars.constraint(params.structured_outputs)  # ValueError: it does not compile
         seed = params.seed + seed_offset if params.seed is not None else int(self._rng.integers(2**31))
         req = Request(request_id, ids, params, max_tokens, seed, self.eos_token_ids, priority, group_id=group_id,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        req.constraint = constraint
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         replica = self._choose_replica(group_id)
         self._tracked[request_id] = _Tracked(req, text, detok, replica, cumulative=cumulative)
@@ -287,6 +338,7 @@ class LLMEngine:
         failed = [self._failed_output(req) for replica in self.replicas for req in replica.scheduler.take_failed()]
         if all(plan is None for plan in plans) and not self._in_flight:
             self.keep_followers_alive()
+            self._flush_kv_events()  # what aborts and failures evicted or cached meanwhile
             return failed
         if self.broadcaster is not None and any(plan is not None for plan in plans):
             self.broadcaster.send([r.runner for r in self.replicas], plans)  # the followers launch the same
@@ -321,6 +373,7 @@ class LLMEngine:
         for x, (token_ids, logprobs) in results:
             prompt_lps = self._fetch_prompt_logprobs(x) if x.plan.wants_prompt_logprobs else None
             outputs += self._collect(x.replica, x.plan, token_ids, logprobs, prompt_lps, now)
+        self._flush_kv_events()
         return outputs
 
     @staticmethod
@@ -403,7 +456,7 @@ class LLMEngine:
             prompt_lps, t.sent_prompt_logprobs = list(req.prompt_logprobs), True
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion], finished,
                              req.num_cached_tokens, delta_text, delta_ids, queued, prompt_logprobs=prompt_lps,
-                             delta_logprobs=delta_logprobs)
+                             error=req.error if finished else None, delta_logprobs=delta_logprobs)
 
     def discard_in_flight(self) -> None:
         """Forget launched steps unread: only after every request in them was aborted (shutdown,
@@ -433,6 +486,7 @@ class LLMEngine:
                 r.prefix_cache.check_invariants()
                 external = r.prefix_cache.external_refs()
             r.pool.check_invariants(external)
+            r.scheduler.check_invariants()
 
     @property
     def compiles_after_warmup(self) -> int:

@@ -39,6 +39,8 @@ class Request:
     # at most one). The last of them comes out of row `sample_row` of the launched step.
     num_pending: int = 0
     sample_row: int = -1
+    # Its slot in the runner's device-resident penalty state while it runs (penalties only).
+    penalty_slot: int | None = None
     # The scheduler's numpy copy of the pool's page table of this request, and the list it copied.
     page_table_list: object | None = field(default=None, repr=False)
     page_table_row: object | None = field(default=None, repr=False)
@@ -58,6 +60,9 @@ class Request:
     # the same values; `prompt_logprob_rows` counts the prompt rows (positions 0..) done so far.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_rows: int = 0
+    # Structured output: the request's grammar matcher (jaxserve/engine/structured.Constraint), or
+    # None. A constrained request is planned only with no token pending (its mask needs them all).
+    constraint: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 from jaxserve.attention import (KV_LAYOUT_PAGES, AttentionMetadata, get_attention_fn, pool_layout, pool_shape,
                                 with_pool_layout, write_kv)
 from jaxserve.engine.buckets import Buckets
-from jaxserve.engine.sampler import (SampleOutput, SamplingArrays, empty_sampling_arrays, pack_sampling,
-                                     packed_sampling_size, sample, unpack_sampling)
+from jaxserve.engine.sampler import (SampleOutput, SamplingArrays, empty_penalty_state, empty_sampling_arrays,
+                                     pack_sampling, packed_sampling_size, sample, sample_with_state,
+                                     unpack_sampling)
 from jaxserve.engine.scheduler import StepPlan
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.models.llama import LlamaForCausalLM
@@ -129,7 +130,8 @@ class ModelRunner:
     already; the pool is split over KV heads and attention and the KV write run per shard."""
 
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, buckets: Buckets,
-                 history_len: int, attention_backend: str = "auto", mesh: Any = None):
+                 history_len: int, attention_backend: str = "auto", mesh: Any = None,
+                 num_penalty_slots: int | None = None):
         self.model = model
         self.buckets = buckets
         self.history_len = history_len
@@ -175,12 +177,23 @@ class ModelRunner:
         # `prev_ids`, one shape whatever the bucket of the step that sampled them.
         self.max_seqs = max(buckets.seqs_for(t) for t in buckets.token_buckets)
 
-        def sample_padded(logits, packed, history, prev_ids):
-            out = sample(logits, unpack_sampling(packed, logits.shape[0], history), prev_ids)
-            return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids)
+        # token_bitmask [S, ceil(V/32)]: the allowed tokens of constrained rows (structured output);
+        # all -1 (a constant kept on the device) when no row is constrained, and then unused.
+        self.mask_words = (cfg.vocab_size + 31) // 32
 
-        self._sample = jax.jit(sample_padded, out_shardings=rep)
+        def sample_padded(logits, packed, history, prev_ids, token_bitmask, penalty_state):
+            out, penalty_state = sample_with_state(logits, unpack_sampling(packed, logits.shape[0], history),
+                                                   prev_ids, penalty_state, token_bitmask)
+            return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids), penalty_state
+
+        self._sample = jax.jit(sample_padded, out_shardings=rep, donate_argnums=(5,))
+        # Penalty state: a slot per running sequence (the scheduler hands them out); [slots, V]
+        # of bool and int32, e.g. 16 MB at 64 sequences and SmolLM2's 49,152 tokens.
+        self.num_penalty_slots = num_penalty_slots or self.max_seqs
+        self.penalty_state = jax.jit(lambda: empty_penalty_state(self.num_penalty_slots, cfg.vocab_size),
+                                     out_shardings=rep)()
         self._empty_histories: dict[int, jax.Array] = {}
+        self._no_masks: dict[int, jax.Array] = {}
         self._no_prev_ids = self._constant(np.zeros(self.max_seqs, np.int32))
         # The last launched step's sampled ids, padded (what a step planned during it reads).
         self.last_sampled_ids: Any = None
@@ -220,8 +233,11 @@ class ModelRunner:
             S = bucket[1]
             if S not in self._compiled_samplers:
                 logits = jax.ShapeDtypeStruct((S, self.model.cfg.vocab_size), jnp.float32, sharding=rep)
+                state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                                     self.penalty_state)
                 self._compiled_samplers[S] = self._sample.lower(logits, i32(packed_sampling_size(S)),
-                                                                i32(S, self.history_len), prev_ids).compile()
+                                                                i32(S, self.history_len), prev_ids,
+                                                                i32(S, self.mask_words), state).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[bucket], self._compiled_samplers[bucket[1]]
 
@@ -240,8 +256,8 @@ class ModelRunner:
 
     def step_inputs(self, plan: StepPlan, host_history: bool = True) -> tuple:
         """The plan's device inputs: (tokens, attention metadata, logits indices, sampling arrays,
-        prompt-logprob targets, token sources). A plan without penalty rows has no history array:
-        with `host_history` an empty one is made here (what a multi-host broadcast sends),
+        prompt-logprob targets, token sources). A plan that builds no penalty state has no history
+        array: with `host_history` an empty one is made here (what a multi-host broadcast sends),
         otherwise launch_inputs uses one kept on the device."""
         md = AttentionMetadata(plan.positions, plan.slot_mapping, plan.kv_lens, plan.page_tables,
                                plan.cu_q_lens, plan.num_seqs)
@@ -262,18 +278,23 @@ class ModelRunner:
     def launch(self, plan: StepPlan, prev_ids: Any = None) -> SampleOutput:
         """Dispatch one step and return without waiting for the device (its outputs are futures).
         `prev_ids`: `last_sampled_ids` of the step the plan was made during (overlap), if any."""
-        return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids)
+        return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids,
+                                  plan.token_bitmask)
 
-    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None) -> SampleOutput:
+    def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None,
+                      token_bitmask: np.ndarray | None = None) -> SampleOutput:
+        """`token_bitmask`: [S, mask_words] allowed tokens when some row is constrained."""
         step_fn, sample_fn = self.compile_bucket(bucket)
         tokens, md, logits_indices, samp, targets, token_src = inputs
         prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
         history = self._empty_history(bucket[1]) if samp.history is None else samp.history
-        # Two host-to-device transfers a step (plus the history, when a row uses penalties).
+        # Two host-to-device transfers a step (plus the history, when a row's penalty state is built).
         step_buf = pack_step(tokens, md, logits_indices, targets, token_src)
         samp_buf = pack_sampling(samp)
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
-        out, self.last_sampled_ids = sample_fn(logits, samp_buf, history, prev_ids)
+        bitmask = self._no_mask(bucket[1]) if token_bitmask is None else token_bitmask
+        out, self.last_sampled_ids, self.penalty_state = sample_fn(logits, samp_buf, history, prev_ids, bitmask,
+                                                                  self.penalty_state)
         # Start the copies back now: by the time the host reads them (a step later, with
         # overlap) they are there, instead of one blocking transfer per array at fetch time.
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if np.any(samp.want_logprobs) \
@@ -295,6 +316,13 @@ class ModelRunner:
         if num_seqs not in self._empty_histories:
             self._empty_histories[num_seqs] = self._constant(np.full((num_seqs, self.history_len), -1, np.int32))
         return self._empty_histories[num_seqs]
+
+    def _no_mask(self, num_seqs: int) -> jax.Array:
+        """A [num_seqs, mask_words] array of -1 (every token allowed) on the device, made once per
+        sequence bucket: unconstrained steps transfer no mask."""
+        if num_seqs not in self._no_masks:
+            self._no_masks[num_seqs] = self._constant(np.full((num_seqs, self.mask_words), -1, np.int32))
+        return self._no_masks[num_seqs]
 
     @property
     def last_prompt_logprobs(self) -> Any:

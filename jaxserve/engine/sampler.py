@@ -3,6 +3,10 @@
 Only sampled ids and the top-n logprobs leave the device. Randomness is keyed per request by
 (seed, index of the token in the output), so a seeded request samples the same tokens whatever
 the batch around it, and a request resumed after preemption continues identically.
+
+Penalties read per-request state kept on the device between steps (`PenaltyState`): the engine
+sends a request's token history once, when it starts sampling, not every step. `sample` is the
+stateless form (penalties from the history array alone), the reference the tests use.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ MAX_BANNED = 32  # ids masked while a request is below min_tokens (EOS + stop id
 @dataclass(frozen=True)
 class SamplingArrays:
     """Per-row sampling inputs, padded to the sequence bucket S. History is [S, H] token ids
-    (prompt then output, -1 padded) and is filled only for rows that use penalties."""
+    (prompt then output, -1 padded), filled only for rows whose penalty state is (re)built this
+    step (`penalty_init`); `sample` (stateless) reads it for every row that uses penalties."""
 
     temperature: jax.Array  # [S] f32; 0 = greedy
     top_k: jax.Array  # [S] i32; <= 0 = off
@@ -44,6 +49,27 @@ class SamplingArrays:
     # in that step's sampled ids (-1: none pending). Filled on device from those ids.
     pending_src: jax.Array  # [S] i32
     pending_col: jax.Array  # [S] i32
+    # The row's slot in the PenaltyState (-1: the row samples without penalties), and whether
+    # the slot is rebuilt from this row's history first (the request's first sampling step since
+    # it got the slot).
+    penalty_slot: jax.Array  # [S] i32
+    penalty_init: jax.Array  # [S] bool
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyState:
+    """Per-request penalty state on the device, one row per slot: whether each token occurred in
+    the prompt or output (repetition penalty) and how often it was output (presence, frequency).
+    A slot is rebuilt from the history when a request takes it and advanced by every step that
+    samples for it, so the host sends a request's history once, not every step."""
+
+    seen: jax.Array  # [slots, V] bool
+    counts: jax.Array  # [slots, V] i32
+
+
+def empty_penalty_state(num_slots: int, vocab: int) -> PenaltyState:
+    return PenaltyState(jnp.zeros((num_slots, vocab), jnp.bool_), jnp.zeros((num_slots, vocab), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +100,8 @@ def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = 
         want_logprobs=np.zeros(num_rows, np.bool_),
         pending_src=np.full(num_rows, -1, np.int32),
         pending_col=np.zeros(num_rows, np.int32),
+        penalty_slot=np.full(num_rows, -1, np.int32),
+        penalty_init=np.zeros(num_rows, np.bool_),
     )
 
 
@@ -81,7 +109,7 @@ def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = 
 # transfer instead of one per field); floats and unsigned ints travel bit for bit.
 _PACKED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seeds", "steps", "prompt_lens", "banned", "want_logprobs",
-                  "pending_src", "pending_col")
+                  "pending_src", "pending_col", "penalty_slot", "penalty_init")
 _PACKED_DTYPES = {k: v.dtype for k, v in empty_sampling_arrays(1, 1).items()}
 
 
@@ -127,19 +155,55 @@ def _history_with_pending(s: SamplingArrays, prev_ids: jax.Array | None) -> jax.
     return hist.at[rows, s.pending_col].set(jnp.where(has, tok, hist[rows, s.pending_col]))
 
 
-def _apply_penalties(logits: jax.Array, s: SamplingArrays, hist: jax.Array) -> jax.Array:
-    rows, vocab = logits.shape
+def _history_state(s: SamplingArrays, hist: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """(seen [S, V] bool, output counts [S, V] i32) of each row's history."""
+    rows = hist.shape[0]
     valid = hist >= 0
     is_output = jnp.arange(hist.shape[1])[None, :] >= s.prompt_lens[:, None]
     row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], hist.shape)
     tok = jnp.where(valid, hist, 0)
     seen = jnp.zeros((rows, vocab), jnp.bool_).at[row_idx, tok].max(valid)
-    out_counts = jnp.zeros((rows, vocab), jnp.float32).at[row_idx, tok].add((valid & is_output).astype(jnp.float32))
+    counts = jnp.zeros((rows, vocab), jnp.int32).at[row_idx, tok].add((valid & is_output).astype(jnp.int32))
+    return seen, counts
+
+
+def _apply_penalties(logits: jax.Array, s: SamplingArrays, seen: jax.Array, counts: jax.Array) -> jax.Array:
     rp = s.repetition_penalty[:, None]
     # HF/vLLM convention: divide positive logits, multiply negative ones, for every seen token.
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    out_counts = counts.astype(jnp.float32)
     logits = logits - s.frequency_penalty[:, None] * out_counts
     return logits - s.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _slot_rows(state: PenaltyState, s: SamplingArrays, prev_ids: jax.Array | None
+               ) -> tuple[jax.Array, jax.Array, PenaltyState]:
+    """Each row's (seen, counts) from its slot, rows with `penalty_init` rebuilt from their
+    history and stored back; rows without a slot get none (their penalties are neutral)."""
+    num_slots, vocab = state.counts.shape
+    has = s.penalty_slot >= 0
+    slot = jnp.maximum(s.penalty_slot, 0)
+    seen, counts = state.seen[slot], state.counts[slot]
+
+    def rebuild(args):
+        seen, counts, state = args
+        h_seen, h_counts = _history_state(s, _history_with_pending(s, prev_ids), vocab)
+        init = (s.penalty_init & has)[:, None]
+        seen, counts = jnp.where(init, h_seen, seen), jnp.where(init, h_counts, counts)
+        dest = jnp.where(s.penalty_init & has, s.penalty_slot, num_slots)  # others: out of range, dropped
+        state = PenaltyState(state.seen.at[dest].set(seen, mode="drop"), state.counts.at[dest].set(counts, mode="drop"))
+        return seen, counts, state
+
+    seen, counts, state = jax.lax.cond(jnp.any(s.penalty_init & has), rebuild, lambda a: a, (seen, counts, state))
+    return seen & has[:, None], jnp.where(has[:, None], counts, 0), state
+
+
+def _count_sampled(state: PenaltyState, s: SamplingArrays, tokens: jax.Array) -> PenaltyState:
+    """The step's sampled tokens added to their rows' slots (what the next step's penalties see)."""
+    num_slots = state.counts.shape[0]
+    dest = jnp.where(s.penalty_slot >= 0, s.penalty_slot, num_slots)
+    return PenaltyState(state.seen.at[dest, tokens].set(True, mode="drop"),
+                        state.counts.at[dest, tokens].add(1, mode="drop"))
 
 
 # ---- stochastic sampling ---------------------------------------------------------------------
@@ -410,21 +474,72 @@ def _argmax(logits: jax.Array) -> jax.Array:
     return (blk * blk_size + jnp.minimum(pos, blk_size - 1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None = None) -> SampleOutput:
-    """logits [S, V] float32 -> sampled ids and logprobs (of the raw model distribution).
-    `prev_ids`: the previous step's sampled ids, for rows with a pending token (overlap)."""
-    rows, vocab = logits.shape
-    raw_logits = logits
+def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """[S, ceil(V/32)] packed int32 (bit t % 32 of word t // 32: token t allowed) -> [S, V] bool."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab] != 0
+
+
+def _apply_token_mask(logits: jax.Array, unbanned: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Disallowed tokens -> -inf. A row left with nothing (min_tokens bans the only tokens its
+    grammar allows, e.g. EOS once the output is complete) keeps its allowed tokens unbanned: the
+    grammar wins over min_tokens."""
+    allowed = allowed_tokens(bitmask, logits.shape[1])
+    masked = jnp.where(allowed, logits, -jnp.inf)
+    empty = ~jnp.any(masked > -jnp.inf, axis=-1, keepdims=True)
+    return jnp.where(empty, jnp.where(allowed, unbanned, -jnp.inf), masked)
+
+
+def sample(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None = None,
+           token_bitmask: jax.Array | None = None) -> SampleOutput:
+    """logits [S, V] float32 -> sampled ids and logprobs (of the raw model distribution), with
+    penalties from each row's history (stateless: the reference for `sample_with_state`).
+    `prev_ids`: the previous step's sampled ids, for rows with a pending token (overlap).
+    `token_bitmask`: [S, ceil(V/32)] int32 allowed tokens (structured output); a row of all ones
+    (-1) is unconstrained, and a batch without a constrained row skips the masking entirely."""
+    vocab = logits.shape[1]
     any_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-    logits = jax.lax.cond(any_penalty, lambda l: _apply_penalties(l, s, _history_with_pending(s, prev_ids)),
-                          lambda l: l, logits)
+    penalized = jax.lax.cond(
+        any_penalty,
+        lambda l: _apply_penalties(l, s, *_history_state(s, _history_with_pending(s, prev_ids), vocab)),
+        lambda l: l, logits)
+    return _sample_penalized(penalized, logits, s, token_bitmask)
+
+
+def sample_with_state(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None,
+                      state: PenaltyState, token_bitmask: jax.Array | None = None
+                      ) -> tuple[SampleOutput, PenaltyState]:
+    """`sample` with penalties from the device-resident state (rows with a `penalty_slot`),
+    which comes back advanced by the sampled tokens. Steps without such rows leave it alone."""
+    any_slot = jnp.any(s.penalty_slot >= 0)
+
+    def penalize(args):
+        l, state = args
+        seen, counts, state = _slot_rows(state, s, prev_ids)
+        return _apply_penalties(l, s, seen, counts), state
+
+    penalized, state = jax.lax.cond(any_slot, penalize, lambda a: a, (logits, state))
+    out = _sample_penalized(penalized, logits, s, token_bitmask)
+    state = jax.lax.cond(any_slot, lambda st: _count_sampled(st, s, out.token_ids), lambda st: st, state)
+    return out, state
+
+
+def _sample_penalized(logits: jax.Array, raw_logits: jax.Array, s: SamplingArrays,
+                      token_bitmask: jax.Array | None) -> SampleOutput:
+    """Sampling once penalties (and then bans and the token mask) are applied; logprobs are of
+    `raw_logits`."""
+    rows, vocab = logits.shape
     banned_valid = s.banned >= 0
 
     def apply_bans(l):  # -1 padding (and ids past the vocabulary) go out of range and are dropped
         row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], s.banned.shape)
         return l.at[row_idx, jnp.where(banned_valid, s.banned, vocab)].set(-jnp.inf, mode="drop")
 
+    unbanned = logits
     logits = jax.lax.cond(jnp.any(banned_valid), apply_bans, lambda l: l, logits)
+    if token_bitmask is not None:
+        logits = jax.lax.cond(jnp.any(token_bitmask != -1), _apply_token_mask, lambda l, u, m: l,
+                              logits, unbanned, token_bitmask)
     is_greedy = s.temperature == 0.0
     # each path runs only if some row takes it; a row's token never depends on which others ran
     greedy = jax.lax.cond(jnp.any(is_greedy), _argmax, lambda l: jnp.zeros(rows, jnp.int32), logits)

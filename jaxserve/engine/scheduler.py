@@ -31,6 +31,7 @@ from jaxserve.cache.page_pool import OutOfPagesError, PagePool
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampler import MAX_BANNED, empty_sampling_arrays
+from jaxserve.engine.structured import fill_masks
 
 _INT32_MAX = 2**31 - 1
 _WAIT = object()  # _group_source: a sibling is computing the prompt; wait for it
@@ -67,6 +68,9 @@ class StepPlan:
     # logprobs), or -1. All -1 in an ordinary step, and the device then skips that work.
     prompt_targets: np.ndarray | None = None
     wants_prompt_logprobs: bool = False  # some row of prompt_targets is set
+    # [S, ceil(V/32)] int32 allowed tokens per row (structured output), all -1 for unconstrained
+    # rows; None when no row of the step is constrained.
+    token_bitmask: np.ndarray | None = None
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -83,6 +87,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         history_len: int,
+        num_penalty_slots: int | None = None,
         prefix_cache: object | None = None,
         policy: str = "fcfs",
         static: bool = False,
@@ -101,6 +106,11 @@ class Scheduler:
         self.num_preemptions = 0
         self._running_groups: dict[str, list[Request]] = {}  # group_id -> its running siblings
         self._failed: list[Request] = []  # failed alone while preparing a step, not yet reported
+        # Slots of the runner's penalty state: a running request that uses penalties holds one.
+        self.num_penalty_slots = max_num_seqs if num_penalty_slots is None else num_penalty_slots
+        if self.num_penalty_slots < max_num_seqs:
+            raise ValueError(f"{self.num_penalty_slots} penalty slots cannot serve {max_num_seqs} sequences")
+        self._free_penalty_slots = list(range(self.num_penalty_slots - 1, -1, -1))
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -145,6 +155,18 @@ class Scheduler:
             self.prefix_cache.unlock(req.cache_node)
             req.cache_node = None
         self.pool.free(req.request_id)
+        # A launched step may still count a token into the slot: the next holder's first step
+        # rebuilds it whole, and is launched after that one.
+        if req.penalty_slot is not None:
+            self._free_penalty_slots.append(req.penalty_slot)
+            req.penalty_slot = None
+
+    def check_invariants(self) -> None:
+        """Penalty slots: each held by at most one running request, the rest free."""
+        held = [r.penalty_slot for r in self.running if r.penalty_slot is not None]
+        assert all(r.penalty_slot is None for r in self.waiting), "a waiting request holds a penalty slot"
+        assert sorted(held + self._free_penalty_slots) == list(range(self.num_penalty_slots)), \
+            (held, self._free_penalty_slots)
 
     def take_failed(self) -> list[Request]:
         """Requests failed alone since the last call (finished, pages freed, `error` set)."""
@@ -201,6 +223,8 @@ class Scheduler:
                 continue
             if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
                 continue  # its last token is being sampled: it finishes when that arrives
+            if req.constraint is not None and req.num_pending:
+                continue  # structured output: its next mask needs the token still being sampled
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -329,15 +353,17 @@ class Scheduler:
         page_size = self.pool.page_size
         if not scheduled:
             return None
-        uses_penalties = any(s.request.params.uses_penalties for s in scheduled)
+        # The [S, history] array only when a request starts sampling with penalties: its history
+        # goes to the device once, into its slot of the penalty state; otherwise the runner
+        # passes a constant that already sits on the device.
+        builds_penalties = any(s.sample and s.request.params.uses_penalties and s.request.penalty_slot is None
+                               for s in scheduled)
         while True:  # once more without any request whose sampling values fail (rare)
             failed: list[ScheduledSeq] = []
             num_tokens = sum(s.num_tokens for s in scheduled)
             max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
             T, S, P = self.buckets.pick(num_tokens, max_pages)
-            # The [S, history] array only when a row uses penalties: otherwise the runner passes
-            # a constant that already sits on the device.
-            samp = empty_sampling_arrays(S, self.history_len, with_history=uses_penalties)
+            samp = empty_sampling_arrays(S, self.history_len, with_history=builds_penalties)
             for i, s in enumerate(scheduled):
                 try:
                     # Sampling first: it is what can fail on a user's value, before any row is written.
@@ -350,6 +376,9 @@ class Scheduler:
             scheduled = [s for s in scheduled if all(s is not f for f in failed)]  # rows stay dense
             if not scheduled:
                 return None
+        for i, s in enumerate(scheduled):  # the rows are final: penalty slots can be handed out
+            if s.sample and s.request.params.uses_penalties:
+                self._fill_penalties(samp, i, s.request)
         n = len(scheduled)
         starts = np.fromiter((s.start for s in scheduled), np.int32, n)
         lens = np.fromiter((s.num_tokens for s in scheduled), np.int32, n)
@@ -387,6 +416,7 @@ class Scheduler:
                 targets[off: off + last - s.start] = req.prompt_token_ids[s.start + 1: last + 1]
                 wants_prompt_logprobs = True
         tokens[:num_tokens] = flat
+        bitmask = self._token_bitmask(scheduled, S)
         for i, s in enumerate(scheduled):  # the plan is final: its tokens count as computed
             s.request.num_computed_tokens = s.start + s.num_tokens
             if s.sample:
@@ -396,8 +426,21 @@ class Scheduler:
             seqs=scheduled, num_tokens=num_tokens, tokens=tokens, positions=positions, slot_mapping=slots,
             kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([n], np.int32),
             logits_indices=logits_idx, sampling=samp, token_src=token_src, prompt_targets=targets,
-            wants_prompt_logprobs=wants_prompt_logprobs, preempted=preempted,
+            wants_prompt_logprobs=wants_prompt_logprobs, token_bitmask=bitmask, preempted=preempted,
         )
+
+    @staticmethod
+    def _token_bitmask(scheduled: list[ScheduledSeq], num_rows: int) -> np.ndarray | None:
+        """The allowed tokens of each constrained row that samples this step (its matcher is up to
+        date: schedule() plans no constrained request with a token pending), or None."""
+        rows = [(i, s.request.constraint) for i, s in enumerate(scheduled)
+                if s.sample and s.request.constraint is not None]
+        if not rows:
+            return None
+        words = (rows[0][1].vocab_size + 31) // 32
+        mask = np.full((num_rows, words), -1, np.int32)
+        fill_masks(rows, mask)
+        return mask
 
     def _page_row(self, req: Request) -> np.ndarray:
         """The request's page table as a numpy row as wide as the widest page bucket, rebuilt only
@@ -423,10 +466,26 @@ class Scheduler:
         num_out = len(req.output_token_ids) + req.num_pending
         samp["steps"][i] = num_out
         samp["want_logprobs"][i] = p.logprobs is not None
-        if p.uses_penalties:  # (the plan then has the history array)
-            samp["repetition_penalty"][i] = p.repetition_penalty
-            samp["presence_penalty"][i] = p.presence_penalty
-            samp["frequency_penalty"][i] = p.frequency_penalty
+        if num_out < p.min_tokens:
+            # A stop id past int32 is past any vocabulary: never sampled, nothing to ban.
+            banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + [t for t in p.stop_token_ids
+                                                                          if t <= _INT32_MAX]
+            banned = banned[:MAX_BANNED]
+            samp["banned"][i, : len(banned)] = banned
+
+    def _fill_penalties(self, samp: dict[str, np.ndarray], i: int, req: Request) -> None:
+        """Penalty values and slot of a row that samples; a request new to its slot sends its
+        history (the plan then has the history array), once."""
+        p = req.params
+        samp["repetition_penalty"][i] = p.repetition_penalty
+        samp["presence_penalty"][i] = p.presence_penalty
+        samp["frequency_penalty"][i] = p.frequency_penalty
+        if req.penalty_slot is None:
+            if not self._free_penalty_slots:  # a slot per running request: never, unless a bug
+                raise RuntimeError(f"no free penalty slot among {self.num_penalty_slots} "
+                                   f"with {len(self.running)} requests running")
+            req.penalty_slot = self._free_penalty_slots.pop()
+            samp["penalty_init"][i] = True
             # The last history_len tokens; a pending one (at most one: the input of this decode)
             # goes last, filled in on device from the launched step's sampled ids.
             pend = req.num_pending
@@ -437,12 +496,7 @@ class Scheduler:
                 samp["pending_col"][i] = len(hist)
             total = req.num_tokens + pend
             samp["prompt_lens"][i] = max(0, req.num_prompt_tokens - (total - len(hist) - pend))
-        if num_out < p.min_tokens:
-            # A stop id past int32 is past any vocabulary: never sampled, nothing to ban.
-            banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + [t for t in p.stop_token_ids
-                                                                          if t <= _INT32_MAX]
-            banned = banned[:MAX_BANNED]
-            samp["banned"][i, : len(banned)] = banned
+        samp["penalty_slot"][i] = req.penalty_slot
 
     # ---- after the device step --------------------------------------------------------------
     def update(self, plan: StepPlan, token_ids: np.ndarray, logprobs: tuple | None = None,
@@ -475,9 +529,25 @@ class Scheduler:
                 k = req.params.logprobs
                 req.output_logprobs.append((float(lp[i]), top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))
             new_tokens.append((req, tok))
+            if req.constraint is not None and self._advance_constraint(req, tok):
+                continue
             if req.check_stop_token():
                 self.finish(req, req.finish_reason)
         return new_tokens
+
+    def _advance_constraint(self, req: Request, tok: int) -> bool:
+        """Feed a sampled token to the request's matcher; finish the request if its grammar is
+        complete ("stop") or rejected the token ("abort", with `error`). Returns whether it finished."""
+        constraint = req.constraint
+        if not constraint.accept(tok):
+            req.error = f"structured output: the grammar rejected token {tok}: {constraint.error}"
+            self.finish(req, "abort")
+            return True
+        if constraint.finished:
+            req.finish_reason, req.stop_reason = "stop", None  # (as for EOS: no stop string or id)
+            self.finish(req, "stop")
+            return True
+        return False
 
     @staticmethod
     def _store_prompt_logprobs(req: Request, s: ScheduledSeq, result: tuple) -> None:

@@ -26,6 +26,7 @@ from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, N
                                     max_token_chars, stream_outputs)
 from jaxserve.server import fleet
 from jaxserve.server.metrics import Metrics
+from jaxserve.server.structured_fields import structured_outputs_from_body
 
 access_log = logging.getLogger("jaxserve.access")
 
@@ -36,7 +37,7 @@ _FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
 # maps to the values that mean "not used" (and so are fine to send).
 _UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
                 "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "user": (None,),
-                "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none")}
+                "functions": (None, []), "function_call": (None, "none")}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids")
 _REQUEST_ID_KEY = fleet.REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
@@ -233,9 +234,20 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         if "stop" in body and body["stop"] is not None and not isinstance(body["stop"], (str, list)):
             raise InvalidRequest(f"stop must be a string or a list of strings, got {body['stop']!r}", "stop")
         params = make_sampling_params(values)
+        params.structured_outputs, _ = structured_outputs_from_body(body)  # (validated there)
         if chat and values["max_tokens"] is None:
             params.max_tokens = None  # OpenAI's chat default: the rest of the context (set per prompt)
         return params
+
+    async def compile_grammar(engine: Any, body: dict[str, Any], params: Any) -> None:
+        """Compile a structured-output grammar off the event loop (cached for the engine's use):
+        one that does not compile is a 400 naming the field it came from."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(engine.engine.grammars.compile, params.structured_outputs)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), structured_outputs_from_body(body)[1]) from None
 
     def engine_or_raise() -> Any:
         engine = get_engine()
@@ -410,6 +422,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             engine = engine_or_raise()
             params = sampling(body, chat)
             check_for_model(params, engine)
+            await compile_grammar(engine, body, params)
             if chat:
                 check_sequences(1, params.n, max_sequences_per_request)
             disconnected, prepared = await _until_disconnect(request, prepare(engine, body, chat))
