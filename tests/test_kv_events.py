@@ -496,7 +496,7 @@ def test_engine_without_events_has_no_recorder(tiny_llama):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_server_publishes_kv_events_and_closes_on_sigterm(tmp_path_factory, monkeypatch):
-    from test_server_robust import make_full_vocab_tiny, request, start_server
+    from server_utils import make_full_vocab_tiny, request, start_server
 
     from jaxserve.loading import load_tokenizer
 
@@ -543,8 +543,8 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_server_that_cached_it(tmp
     import re
     import subprocess
 
-    from test_server_robust import free_port as http_port
-    from test_server_robust import make_full_vocab_tiny, request, start_server
+    from server_utils import free_port as http_port
+    from server_utils import make_full_vocab_tiny, request, start_server
 
     model = make_full_vocab_tiny(tmp_path_factory.mktemp("kvrouter"))
     xla = tmp_path_factory.mktemp("kvrouterxla")

@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 from conftest import small_engine_options
-from test_server_robust import make_full_vocab_tiny
+from server_utils import make_full_vocab_tiny
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
@@ -271,7 +271,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 @pytest.fixture(scope="module")
 def so_srv(tiny_path, tmp_path_factory):
-    from test_server_robust import start_server
+    from server_utils import start_server
 
     server = start_server(__import__("pathlib").Path(tiny_path), tmp_path_factory.mktemp("xla19"))
     yield server
@@ -335,7 +335,8 @@ def test_http_response_format_json_schema(client, so_srv):
     ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
 ])
 def test_http_invalid_constraints_are_400s_naming_the_field(so_srv, path, body, param):
-    from test_server_robust import assert_idle_and_consistent, post
+    from server_utils import post
+    from test_server_robust import assert_idle_and_consistent
 
     base = {"model": "tiny", "max_tokens": 8}
     base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
