@@ -21,10 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxserve.server import fleet
 from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, NotFound, NotReady, Overloaded,
                                     check_for_model, check_sequences, check_text_size, make_sampling_params,
                                     max_token_chars, stream_outputs)
-from jaxserve.server import fleet
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.structured_fields import structured_outputs_from_body
 
