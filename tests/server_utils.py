@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import os
 import json
 import socket
 import subprocess
@@ -101,3 +102,14 @@ def sse(srv: dict, path: str, body: dict, timeout: float = 120) -> tuple[int, li
             events.append(data if data == "[DONE]" else json.loads(data))
     conn.close()
     return 200, events
+
+
+def router_bin(venv: str, name: str) -> Path:
+    """A router's executable from the venv `make routers` builds (under $JAXSERVE_CLIENT_VENVS,
+    set by make); a missing one fails the test that needs it, never skips it."""
+    import pytest
+
+    path = Path(os.environ.get("JAXSERVE_CLIENT_VENVS", Path(__file__).resolve().parents[1])) / venv / "bin" / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `make routers` (the routers' venvs)")
+    return path

@@ -5,13 +5,13 @@ Kubernetes' own schemas (kubernetes-validate). The router's flags are checked ag
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from server_utils import router_bin
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -163,8 +163,7 @@ def test_router_finds_the_replicas():
 @pytest.mark.slow
 def test_router_flags_exist_in_vllm_router():
     """Every flag of the router Deployment appears in `vllm-router --help` (its own venv: make routers)."""
-    exe = Path(os.environ.get("JAXSERVE_CLIENT_VENVS", ROOT)) / ".venv-vllm-router" / "bin" / "vllm-router"
-    assert exe.exists(), f"{exe} is missing: run `make routers` (the Makefile builds the router venvs)"
+    exe = router_bin(".venv-vllm-router", "vllm-router")
     help_text = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60).stdout
     router = {d["kind"]: d for d in render("router")}["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     for arg in router["args"]:

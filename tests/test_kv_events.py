@@ -9,13 +9,13 @@ import json
 import pickle
 import random
 import signal
-import struct
 import time
 
 import msgpack
 import pytest
 import zmq
 from conftest import make_tiny_checkpoint, small_engine_options
+from server_utils import router_bin
 
 from jaxserve.cache.block_hash import BlockHasher
 from jaxserve.cache.kv_events import KVEventRecorder, KVEventsConfig, ZmqEventPublisher, offset_endpoint
@@ -524,18 +524,8 @@ def test_server_publishes_kv_events_and_closes_on_sigterm(tmp_path_factory, monk
             server["proc"].kill()
 
 
-def _router_executable() -> str | None:
-    import os
-    import shutil
-
-    built = os.path.join(os.environ.get("JAXSERVE_CLIENT_VENVS", os.path.dirname(os.path.dirname(__file__))),
-                         ".venv-vllm-router", "bin", "vllm-router")  # `make routers` (set by make)
-    return os.environ.get("JAXSERVE_VLLM_ROUTER") or (built if os.path.exists(built) else shutil.which("vllm-router"))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.skipif(_router_executable() is None, reason="no vllm-router (set JAXSERVE_VLLM_ROUTER or put it on PATH)")
 def test_vllm_router_kv_aware_sends_each_prefix_to_the_server_that_cached_it(tmp_path_factory):
     """Two jaxserve servers behind `vllm-router --policy kv_aware`: each caches one prompt (sent to
     it directly); through the router, continuations of each prompt reach the server holding it
@@ -552,7 +542,7 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_server_that_cached_it(tmp
     servers = [start_server(model, xla, "--kv-events-config", events_json(p)) for p in ports]
     router_port = http_port()
     log_path = xla / "router.log"
-    cmd = [_router_executable(), "--host", "127.0.0.1", "--port", str(router_port), "--prometheus-port",
+    cmd = [str(router_bin(".venv-vllm-router", "vllm-router")), "--host", "127.0.0.1", "--port", str(router_port), "--prometheus-port",
            str(http_port()), "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", "tiny",
            "--log-level", "debug", "--worker-urls", *[s["base"] for s in servers]]
     for s, p in zip(servers, ports):

@@ -12,24 +12,16 @@ that is missing or cannot start fails the test, it is not skipped.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from server_utils import free_port, request, sse, start_server
+from server_utils import free_port, request, router_bin, sse, start_server
 
 ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def router_bin(venv: str, name: str) -> Path:
-    path = Path(os.environ.get("JAXSERVE_CLIENT_VENVS", ROOT)) / venv / "bin" / name  # set by make
-    if not path.exists():
-        pytest.fail(f"{path} is missing: run `make routers` (the routers' venvs)")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from jaxserve.cache.page_pool import PagePool
 from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request import Request
 from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.structured import GrammarCompiler
