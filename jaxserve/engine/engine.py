@@ -125,6 +125,12 @@ class Replica:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
 
+# Requests a replica holding a prompt's prefix may be ahead of the least loaded one and still get
+# it: recomputing a prefix costs more than queueing behind a few requests (SGLang's cache-aware
+# router balances the same way, by an absolute and a relative threshold).
+BALANCE_SLACK = 8
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         from jaxserve import parallel
@@ -298,21 +304,29 @@ class LLMEngine:
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         req.constraint = constraint
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        replica = self._choose_replica(group_id)
+        replica = self._choose_replica(group_id, ids)
         self._tracked[request_id] = _Tracked(req, text, detok, replica, cumulative=cumulative)
         replica.scheduler.add(req)
         replica.num_requests += 1
         return req
 
-    def _choose_replica(self, group_id: str | None) -> Replica:
-        """The least loaded replica; the n completions of one prompt stay together (shared pages)."""
+    def _choose_replica(self, group_id: str | None, ids: Sequence[int]) -> Replica:
+        """Data parallelism: the replica whose prefix cache holds the longest prefix of the prompt,
+        unless it has BALANCE_SLACK more requests than the least loaded one; else (or with no
+        hit) the least loaded. The n completions of one prompt stay together (shared pages)."""
         if len(self.replicas) == 1:
             return self.replicas[0]
         if group_id is not None:
             for t in self._tracked.values():
                 if t.request.group_id == group_id:
                     return t.replica
-        return min(self.replicas, key=lambda r: r.load)
+        least = min(self.replicas, key=lambda r: r.load)
+        hits = [r.prefix_cache.match_prefix(ids, max_tokens=len(ids) - 1, peek=True)[1]
+                if r.prefix_cache is not None else 0 for r in self.replicas]
+        best = max(range(len(self.replicas)), key=lambda i: (hits[i], -self.replicas[i].load))
+        if hits[best] > 0 and self.replicas[best].load <= least.load + BALANCE_SLACK:
+            return self.replicas[best]
+        return least
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages now. Returns whether it was still live."""
