@@ -81,11 +81,36 @@ def expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
 
 
-def http_routes() -> set[str]:
+def loading_app():
+    """The HTTP app as a pod has it while the model loads (no engine yet)."""
     from jaxserve.server.http_server import build_http_app
     from jaxserve.server.metrics import Metrics
 
-    return {r.path for r in build_http_app(lambda: None, Metrics(), "m").routes}
+    return build_http_app(lambda: None, Metrics(), "m")
+
+
+def http_routes() -> set[str]:
+    return {r.path for r in loading_app().routes}
+
+
+def test_probe_endpoints_answer_as_probes_need():
+    """Liveness (and start-up) must pass while the model loads (and drains); readiness must not."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(loading_app())
+    probes = {}
+    for name in KUSTOMIZATIONS:
+        for doc in render(name):
+            for t in pod_templates(doc):
+                for c in t["spec"]["containers"]:
+                    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                        if probe in c:
+                            probes.setdefault(probe, set()).add(c[probe]["httpGet"]["path"])
+    assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}, probes
+    for path in probes["startupProbe"] | probes["livenessProbe"]:
+        assert client.get(path).status_code == 200, path
+    for path in probes["readinessProbe"]:
+        assert client.get(path).status_code == 503, path
 
 
 def test_every_kustomization_is_tested():
@@ -131,9 +156,8 @@ def test_manifests_match_the_server_and_kubernetes(name, monkeypatch):
                         get = c[probe]["httpGet"]
                         assert get["path"] in routes, (probe, get["path"])
                         assert get["port"] in ports or get["port"] in ports.values(), (probe, get)
-                if "http" in ports:  # readiness must fall during warm-up and drain: /health does
-                    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-                    assert c["livenessProbe"]["httpGet"]["path"] != "/health"
+                if "http" in ports:  # the API process has all three probes
+                    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c), c
     # Services point at pods and ports that exist.
     for svc in (d for d in docs if d["kind"] == "Service"):
         sel = svc["spec"]["selector"]
