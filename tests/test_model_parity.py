@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,12 +141,57 @@ def test_orbax_round_trip_is_exact(tiny_checkpoints, tmp_path):
         assert restored[k].dtype == params[k].dtype and np.array_equal(restored[k], params[k]), k
 
 
-def test_converted_weights_cache_is_used(tiny_checkpoints, tmp_path, monkeypatch):
+def test_converted_weights_cache_is_used(tiny_checkpoints, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    (entry,) = _stale_cache_entry(tiny_checkpoints["llama3"], tmp_path)
     cfg1, p1 = load_weights(tiny_checkpoints["llama3"])
-    assert list((tmp_path / "converted").iterdir())
-    cfg2, p2 = load_weights(tiny_checkpoints["llama3"])
+    assert [p.name for p in (tmp_path / "converted").iterdir()] == [entry.name]  # no staging left behind
+    assert (entry / "config.json").is_file() and not (entry / "junk").exists()  # the partial entry replaced
+    with caplog.at_level(logging.INFO, logger="jaxserve.loading"):
+        cfg2, p2 = load_weights(tiny_checkpoints["llama3"])
+    assert "restoring converted weights" in caplog.text
     assert cfg1 == cfg2 and all(np.array_equal(p1[k], p2[k]) for k in p1)
+
+
+def _stale_cache_entry(model: Path, cache: Path) -> list[Path]:
+    """What an interrupted save of an older jaxserve left: the entry's directory without config.json."""
+    from jaxserve.loading import _cache_key
+
+    entry = cache / "converted" / _cache_key(model, "float32")
+    (entry / "params.orbax-checkpoint-tmp").mkdir(parents=True)
+    (entry / "junk").write_text("")
+    return [entry]
+
+
+_LOAD_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from jaxserve.loading import load_weights
+go = Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.01)
+cfg, params = load_weights(sys.argv[1])
+print(sum(float(abs(v).sum()) for v in params.values()))
+"""
+
+
+def test_replicas_converting_at_once_share_one_cache_entry(tiny_checkpoints, tmp_path):
+    """Replicas started together on one cache directory (pods of a node, a benchmark's servers)
+    each convert and publish; none fails, and one complete entry remains. Saving straight into the
+    entry made the second replica die on orbax's FileExistsError."""
+    go = tmp_path / "go"
+    env = {**os.environ, "JAXSERVE_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD_AT_ONCE, str(tiny_checkpoints["llama3"]), str(go)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    time.sleep(5)  # all three import jax and wait on the same file
+    go.write_text("")
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    assert len({out.strip() for out, _ in results}) == 1
+    (entry,) = (tmp_path / "cache" / "converted").iterdir()
+    assert (entry / "config.json").is_file() and (entry / "params").is_dir()
 
 
 def test_bfloat16_model_is_close(tiny_checkpoints):

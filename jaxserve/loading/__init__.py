@@ -8,9 +8,12 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -86,6 +89,11 @@ def load_weights(
     jdtype = resolve_dtype(dtype)
     dtype_name = jnp.dtype(jdtype).name
     cache_dir = cache_root() / "converted" / _cache_key(path, dtype_name)
+    if use_cache and jax.process_count() > 1:
+        # orbax saves and restores collectively across the processes of a multi-host run; a cache
+        # warm on one host and cold on another would deadlock them, so each host converts.
+        log.info("multi-host run: weights are converted on every host, not cached")
+        use_cache = False
     if use_cache and (cache_dir / "config.json").is_file():
         from jaxserve.loading.orbax_checkpoint import restore_params
 
@@ -96,9 +104,38 @@ def load_weights(
     if use_cache:
         from jaxserve.loading.orbax_checkpoint import save_params
 
-        save_params(cache_dir / "params", params)
-        (cache_dir / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+        def write(staging: Path) -> None:
+            save_params(staging / "params", params)
+            (staging / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+
+        _publish_cache_dir(cache_dir, write, "converted weights", "config.json")
     return cfg, params
+
+
+def _publish_cache_dir(final: Path, write: Any, what: str, marker: str) -> None:
+    """Build a cache entry in a directory of this process's own, then rename it into place.
+    Replicas started side by side on one cache (a node's pods, a test's servers) each convert;
+    the first rename wins and a reader never sees a half-written entry (`marker`, the file readers
+    look for, is inside from the start). The cache is an optimisation: failing to write it is
+    logged, never fatal."""
+    staging = final.parent / f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.mkdir(parents=True)
+        write(staging)
+        if final.is_dir() and not (final / marker).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # a partial entry left by an older jaxserve
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / marker).is_file():  # not another process's entry: a real failure
+                raise
+            log.info("%s already cached by another process in %s", what, final)
+        else:
+            log.info("%s cached in %s", what, final)
+    except Exception as e:  # noqa: BLE001 - serving goes on without the cache
+        log.warning("could not cache %s in %s: %s", what, final, e)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
@@ -133,6 +170,6 @@ def load_tokenizer(model: str | os.PathLike | None) -> Any:
             raise ValueError(f"{path.name}: its {kind!r} tokenizer loads through transformers, which needs torch "
                              "for GGUF files; install torch, or serve the model's HF directory instead")
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(str(cache_dir))
-    log.info("tokenizer cached in %s", cache_dir)
+    _publish_cache_dir(cache_dir, lambda staging: tok.save_pretrained(str(staging)), "tokenizer",
+                       "tokenizer_config.json")
     return tok
