@@ -44,8 +44,10 @@ def make_full_vocab_tiny(root: Path) -> Path:
     return path
 
 
-def start_server(model: Path, cache: Path, *extra: str) -> dict:
-    grpc_port, http_port = free_port(), free_port()
+def start_server(model: Path, cache: Path, *extra: str, http_port: int | None = None,
+                 grpc_port: int | None = None) -> dict:
+    """A server on free ports (or the given ones: a restart in place); returns once /health is 200."""
+    grpc_port, http_port = grpc_port or free_port(), http_port or free_port()
     cmd = [sys.executable, "-m", "jaxserve.serve", "--model", str(model), "--served-model-name", "tiny",
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--compilation-cache-dir", str(cache),
            *SERVER_ARGS, *extra]

@@ -262,7 +262,9 @@ class KVEventRecorder:
     def __init__(self, hasher: BlockHasher, publisher: ZmqEventPublisher | None = None):
         self.hasher = hasher
         self.publisher = publisher
-        self.pending: list[RawEvent] = []
+        # A replica's first batch says it holds nothing, as Dynamo's and llm-d's indexers expect
+        # of a restarted worker: one that kept this endpoint's blocks from before drops them.
+        self.pending: list[RawEvent] = [("cleared",)]
         self.snapshot: Callable[[], list[RawEvent]] | None = None  # set by the radix cache
         self.out_of_sync = False
 
