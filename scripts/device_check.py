@@ -321,7 +321,7 @@ def _sweep_rows(fn: Callable[..., jax.Array], shape: dict[str, int], iters: tupl
 
 # ---- 4. one engine run ------------------------------------------------------------------------
 def write_tiny_checkpoint(path: Path, *, vocab: int = 256, hidden: int = 128, layers: int = 2, heads: int = 4,
-                          kv_heads: int = 2, head_dim: int = 64, seed: int = 0) -> Path:
+                          kv_heads: int = 2, head_dim: int = 64, seed: int = 0, max_positions: int = 512) -> Path:
     """A random Llama as an HF checkpoint directory (config.json, safetensors, a word-level
     tokenizer), made with numpy alone: no torch, no hub."""
     from safetensors.numpy import save_file
@@ -331,7 +331,7 @@ def write_tiny_checkpoint(path: Path, *, vocab: int = 256, hidden: int = 128, la
     inter = 2 * hidden
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=hidden,
                intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=1e-5,
+               num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
                rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     (path / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(seed)
