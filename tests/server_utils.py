@@ -115,3 +115,29 @@ def router_bin(venv: str, name: str) -> Path:
     if not path.exists():
         pytest.fail(f"{path} is missing: run `make routers` (the routers' venvs)")
     return path
+
+
+def exercise_through_router(base: str) -> None:
+    """A completion (with an X-Request-Id), a streamed chat and the openai client, through the router."""
+    from openai import OpenAI
+
+    status, headers, raw = request("POST", base + "/v1/completions",
+                                   {"model": "tiny", "prompt": "Hello there", "max_tokens": 4},
+                                   headers={"X-Request-Id": "via-router-1"})
+    assert status == 200, raw
+    body = json.loads(raw)
+    assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 4
+    assert headers["X-Request-Id"] == "via-router-1" and body["id"] == "cmpl-via-router-1"
+
+    port = int(base.rsplit(":", 1)[1])
+    status, events = sse({"http_port": port}, "/v1/chat/completions",
+                         {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert status == 200 and events[-1] == "[DONE]", events
+    assert events[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3)
+    assert out.model == "tiny" and out.usage.completion_tokens == 3
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=3, stream=True)
+    assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in stream)

@@ -535,7 +535,7 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_server_that_cached_it(tmp
     import subprocess
 
     from server_utils import free_port as http_port
-    from server_utils import make_full_vocab_tiny, request, start_server
+    from server_utils import exercise_through_router, make_full_vocab_tiny, request, start_server
 
     model = make_full_vocab_tiny(tmp_path_factory.mktemp("kvrouter"))
     xla = tmp_path_factory.mktemp("kvrouterxla")
@@ -577,6 +577,7 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_server_that_cached_it(tmp
         for rep in range(2):
             for prompt in prompts:
                 assert complete(base, prompt + [7 + rep] * 5) == 32  # only the server that has it can hit
+        exercise_through_router(base)  # completions, a streamed chat, the openai client
         text = re.sub(r"\x1b\[[0-9;]*m", "", log_path.read_text())
         assert "tagged map" not in text
         assert len(re.findall(r"credited_prefix_tokens=32", text)) >= 4, text[-3000:]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from server_utils import free_port, request, router_bin, sse, start_server
+from server_utils import exercise_through_router, free_port, request, router_bin, start_server
 
 ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -41,7 +41,9 @@ def start_router(cmd: list[str], log_path: Path) -> tuple[subprocess.Popen, str]
     """Start a router on a free port; ready once its /v1/models lists our model."""
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log,
+    # Each router on its own metrics port too: the default (29000) may be held by another router.
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())],
+                            stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -70,32 +72,6 @@ def finished(server: dict) -> float:
                if line.startswith("vllm:request_success_total{"))
 
 
-def exercise(base: str) -> None:
-    """A completion (with an X-Request-Id), a streamed chat and the openai client, through the router."""
-    from openai import OpenAI
-
-    status, headers, raw = request("POST", base + "/v1/completions",
-                                   {"model": "tiny", "prompt": "Hello there", "max_tokens": 4},
-                                   headers={"X-Request-Id": "via-router-1"})
-    assert status == 200, raw
-    body = json.loads(raw)
-    assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 4
-    assert headers["X-Request-Id"] == "via-router-1" and body["id"] == "cmpl-via-router-1"
-
-    port = int(base.rsplit(":", 1)[1])
-    status, events = sse({"http_port": port}, "/v1/chat/completions",
-                         {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
-    assert status == 200 and events[-1] == "[DONE]", events
-    assert events[-2]["choices"][0]["finish_reason"] in ("length", "stop")
-
-    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3)
-    assert out.model == "tiny" and out.usage.completion_tokens == 3
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=3, stream=True)
-    assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in stream)
-
-
 def test_vllm_router_round_robin_and_cache_aware(replicas, tmp_path):
     workers = [s["base"] for s in replicas]
     exe = str(router_bin(".venv-vllm-router", "vllm-router"))
@@ -103,7 +79,7 @@ def test_vllm_router_round_robin_and_cache_aware(replicas, tmp_path):
     proc, base = start_router([exe, "--worker-urls", *workers, "--policy", "round_robin"], tmp_path / "rr.log")
     try:
         before = [finished(s) for s in replicas]
-        exercise(base)
+        exercise_through_router(base)
         moved = [finished(s) - b for s, b in zip(replicas, before)]
         assert all(m > 0 for m in moved), f"round_robin left a replica idle: {moved}"
     finally:
@@ -112,7 +88,7 @@ def test_vllm_router_round_robin_and_cache_aware(replicas, tmp_path):
 
     proc, base = start_router([exe, "--worker-urls", *workers, "--policy", "cache_aware"], tmp_path / "ca.log")
     try:
-        exercise(base)
+        exercise_through_router(base)
         before = [finished(s) for s in replicas]
         prompt = "A prompt the cache-aware policy should keep on one replica. " * 4
         for _ in range(3):
@@ -135,7 +111,7 @@ def test_sglang_router_registers_the_model_name(replicas, tmp_path):
         status, _, raw = request("GET", base + "/v1/models")
         assert [m["id"] for m in json.loads(raw)["data"]] == ["tiny"]  # not "unknown": read from /server_info
         before = [finished(s) for s in replicas]
-        exercise(base)
+        exercise_through_router(base)
         moved = [finished(s) - b for s, b in zip(replicas, before)]
         assert all(m > 0 for m in moved), f"round_robin left a replica idle: {moved}"
         for s in replicas:  # what the gateway asked each worker for at registration
