@@ -31,6 +31,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest prefix match)
     max_waiting: int = 1024  # bounded queue: past it, submissions are refused
     compile_ahead: bool = True  # compile every bucket at start-up
+    # The smallest step (token) bucket. None: 1 on CPU, where a dot's cost grows with its rows;
+    # 16 on accelerators, where a 16-row tile costs what one row does.
+    min_token_bucket: int | None = None
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None: no persistent cache
     # KV-cache events for KV-aware routers, vLLM's --kv-events-config JSON (a mapping in YAML), e.g.
     # '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'.
@@ -51,6 +54,10 @@ class EngineConfig:
             positive(name)
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.min_token_bucket is not None:
+            positive("min_token_bucket")
+            if self.min_token_bucket & (self.min_token_bucket - 1):
+                raise ValueError(f"min_token_bucket must be a power of two, got {self.min_token_bucket}")
         if self.num_pages is not None:
             positive("num_pages")
             if self.num_pages < 2:

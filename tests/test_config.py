@@ -32,7 +32,8 @@ def test_unknown_yaml_key_and_bad_values(tmp_path):
     for kwargs, field in [(dict(max_num_seqs=0), "max_num_seqs"), (dict(page_size=12), "page_size"),
                           (dict(num_pages=1), "num_pages"), (dict(scheduler="fifo"), "scheduler"),
                           (dict(mesh="4"), "mesh"), (dict(mesh="0x2"), "mesh"), (dict(dtype="int4"), "dtype"),
-                          (dict(attention_backend="cuda"), "attention_backend")]:
+                          (dict(attention_backend="cuda"), "attention_backend"),
+                          (dict(min_token_bucket=0), "min_token_bucket"), (dict(min_token_bucket=12), "min_token_bucket")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
 
@@ -40,6 +41,16 @@ def test_unknown_yaml_key_and_bad_values(tmp_path):
 def test_dtype_auto_is_bfloat16_on_accelerators_float32_on_cpu():
     assert EngineConfig().dtype == "auto"
     assert [auto_dtype(p) for p in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
+
+
+def test_token_buckets_start_at_the_floor():
+    from jaxserve.engine.buckets import Buckets
+
+    assert Buckets.create(512, 32, 64).token_buckets[:3] == (16, 32, 64)  # accelerators
+    assert Buckets.create(512, 32, 64, min_tokens=1).token_buckets[:6] == (1, 2, 4, 8, 16, 32)  # CPU
+    assert Buckets.create(8, 4, 4, min_tokens=1).token_buckets == (1, 2, 4, 8)
+    assert Buckets.create(8, 4, 4, min_tokens=1).pick(3, 2)[:2] == (4, 4)
+    assert parse("--min-token-bucket", "4").min_token_bucket == 4
 
 
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))

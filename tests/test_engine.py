@@ -44,10 +44,12 @@ def test_batched_equals_alone_and_hf(llm_default, alone, hf_default_model):
     llm_default.engine.check_invariants()
     assert llm_default.engine.pool.num_free + llm_default.engine.prefix_cache.cached_pages() == llm_default.engine.num_pages - 1
     assert llm_default.engine.config.dtype == "float32"  # dtype "auto" (the default) on CPU; HF parity above is float32
+    assert llm_default.engine.buckets.token_buckets[:4] == (1, 2, 4, 8)  # CPU: a lone decode is a 1-row step
 
 
 @pytest.mark.parametrize("options", [
     dict(scheduler="static"),
+    dict(min_token_bucket=16),  # the accelerators' floor: decodes padded to 16 rows
     dict(max_num_batched_tokens=16, max_num_seqs=4),  # chunked prefill everywhere
     dict(num_pages=12, max_model_len=96, enable_prefix_caching=False),  # preemption by recompute
     dict(num_pages=12, max_model_len=96),  # preemption with the prefix cache evicting first

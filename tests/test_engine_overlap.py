@@ -38,8 +38,10 @@ def summary(outputs) -> list:
             for o in outputs]
 
 
-def close(a, b, tol: float = 1e-5) -> bool:
-    """Equal structures, floats within tol (the two engines run different compiled steps)."""
+def close(a, b, tol: float = 1e-4) -> bool:
+    """Equal structures, floats within tol: the two engines batch steps differently, so their f32
+    logits come from different step shapes (on CPU from 1 row up) and differ in the last digits
+    (1.7e-5 seen in a logprob)."""
     if isinstance(a, float) and isinstance(b, float):
         return abs(a - b) <= tol
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

@@ -1,6 +1,8 @@
 """Shape buckets of the ahead-compiled step functions.
 
-A step is padded to a token bucket T (16, 32, 64, then steps of 64, a quarter of T past 256) and a
+A step is padded to a token bucket T (powers of two from `min_tokens` to 64, then steps of 64, a
+quarter of T past 256; `min_tokens` is EngineConfig.min_token_bucket, by default 16 on accelerators
+and 1 on CPU, where XLA's dot cost grows with its rows: scripts/bench_small_batch.py) and a
 page-table width P (powers of four pages up to the model length). The sequence capacity is tied to
 T, S = min(T, max_num_seqs), since a step can never hold more sequences than tokens: one bucket
 axis fewer to compile, at the price of sampling a few padding rows.
@@ -28,10 +30,11 @@ class Buckets:
     max_num_seqs: int
 
     @classmethod
-    def create(cls, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int) -> "Buckets":
+    def create(cls, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int,
+               min_tokens: int = 16) -> "Buckets":
         # Powers of two up to 64, then steps of 64 growing by a quarter past 256: a mixed step
         # (decodes + a prompt chunk) pads by a small fraction instead of up to half its bucket.
-        tokens = _powers(16, 2, min(64, max_num_batched_tokens))
+        tokens = _powers(min(min_tokens, max_num_batched_tokens), 2, min(64, max_num_batched_tokens))
         t = 64
         while t < max_num_batched_tokens:
             t = min(max_num_batched_tokens, t + max(64, (t // 4) // 64 * 64))

@@ -164,7 +164,9 @@ class LLMEngine:
         num_pages = config.num_pages or max(2, int(config.kv_cache_memory * 2**30 // bytes_per_page))
         self.num_pages = num_pages  # per replica
         max_pages_per_seq = -(-self.max_model_len // page_size)
-        self.buckets = Buckets.create(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
+        min_tokens = config.min_token_bucket or (1 if self.mesh.devices.flat[0].platform == "cpu" else 16)
+        self.buckets = Buckets.create(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq,
+                                      min_tokens=min_tokens)
         self.replicas: list[Replica] = []
         make_event_recorder = self._kv_event_recorders(config)
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
