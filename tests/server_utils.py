@@ -141,3 +141,40 @@ def exercise_through_router(base: str) -> None:
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=3, stream=True)
     assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in stream)
+
+
+def start_vllm_router(args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    """vLLM's router (from `make routers`) on free ports with `args`; returns once /health is 200."""
+    port = free_port()
+    cmd = [str(router_bin(".venv-vllm-router", "vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-port", str(free_port()), *args]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            if request("GET", base + "/health", timeout=2)[0] == 200:
+                return proc, base
+        except OSError:
+            pass
+        assert time.time() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.5)
+
+
+def event_ports() -> int:
+    """A free port whose successor is free too: KV events on it, their replay socket on the next."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def kv_events_json(port: int, **extra) -> str:
+    """--kv-events-config publishing on `port`, replay on `port + 1`."""
+    return json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                       "replay_endpoint": f"tcp://*:{port + 1}", **extra})

@@ -16,30 +16,11 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from server_utils import free_port, make_full_vocab_tiny, request, router_bin, start_server
+from server_utils import event_ports, kv_events_json, make_full_vocab_tiny, request, start_server, start_vllm_router
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-
-def start_router(args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [str(router_bin(".venv-vllm-router", "vllm-router")), "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-port", str(free_port()), *args]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        try:
-            if request("GET", base + "/health", timeout=2)[0] == 200:
-                return proc, base
-        except OSError:
-            pass
-        assert time.time() < deadline, log_path.read_text()[-3000:]
-        time.sleep(0.5)
 
 
 def running(server: dict) -> float:
@@ -57,7 +38,7 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 def test_sigkill_and_sigterm_under_load_lose_no_request(tiny_model, xla_cache, tmp_path):
     servers = [start_server(tiny_model, xla_cache, "--grace-period", "120") for _ in range(3)]
-    router, base = start_router(["--policy", "round_robin", "--worker-urls", *[s["base"] for s in servers],
+    router, base = start_vllm_router(["--policy", "round_robin", "--worker-urls", *[s["base"] for s in servers],
                                  "--retry-max-retries", "6", "--retry-initial-backoff-ms", "100",
                                  "--health-check-interval-secs", "1"], tmp_path / "router.log")
     killed, drained, kept = servers
@@ -91,25 +72,6 @@ def test_sigkill_and_sigterm_under_load_lose_no_request(tiny_model, xla_cache, t
         stop_all([router] + [s["proc"] for s in servers])
 
 
-def events_config(port: int) -> str:
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
-                       "replay_endpoint": f"tcp://*:{port + 1}"})
-
-
-def event_ports() -> int:
-    """Two consecutive free ports (events, replay)."""
-    while True:
-        port = free_port()
-        try:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-
-
 def test_restarted_replica_resyncs_its_kv_events(tmp_path_factory, monkeypatch):
     """Two servers behind kv_aware. A holds prompts P when it is SIGKILLed and restarted on the same
     ports; then A caches new prompts Q. Through the router each Q must reach A (the router reads A's
@@ -119,14 +81,14 @@ def test_restarted_replica_resyncs_its_kv_events(tmp_path_factory, monkeypatch):
     model = make_full_vocab_tiny(tmp_path_factory.mktemp("restart"))
     xla = tmp_path_factory.mktemp("restartxla")
     ports = [event_ports(), event_ports()]
-    servers = [start_server(model, xla, "--kv-events-config", events_config(p)) for p in ports]
+    servers = [start_server(model, xla, "--kv-events-config", kv_events_json(p)) for p in ports]
     args = ["--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", "tiny", "--log-level", "debug",
             "--health-check-interval-secs", "1", "--worker-urls", *[s["base"] for s in servers]]
     for s, p in zip(servers, ports):
         args += ["--kv-event-source", f"{s['base']}=tcp://127.0.0.1:{p}",
                  "--kv-event-replay-source", f"{s['base']}=tcp://127.0.0.1:{p + 1}"]
     log_path = xla / "router.log"
-    router, base = start_router(args, log_path)
+    router, base = start_vllm_router(args, log_path)
     rng = random.Random(5)
 
     def prompt() -> list[int]:
@@ -151,7 +113,7 @@ def test_restarted_replica_resyncs_its_kv_events(tmp_path_factory, monkeypatch):
 
         a["proc"].send_signal(signal.SIGKILL)
         a["proc"].wait()
-        servers[0] = a = start_server(model, xla, "--kv-events-config", events_config(ports[0]),
+        servers[0] = a = start_server(model, xla, "--kv-events-config", kv_events_json(ports[0]),
                                       http_port=a["http_port"], grpc_port=int(a["grpc"].rsplit(":", 1)[1]))
         q = [prompt() for _ in range(3)]
         for ids in q:

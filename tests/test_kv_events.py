@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import make_tiny_checkpoint, small_engine_options
-from server_utils import router_bin
+from server_utils import free_port, kv_events_json
 
 from jaxserve.cache.block_hash import BlockHasher
 from jaxserve.cache.kv_events import KVEventRecorder, KVEventsConfig, ZmqEventPublisher, offset_endpoint
@@ -23,19 +23,6 @@ from jaxserve.cache.page_pool import PagePool
 from jaxserve.cache.radix_cache import RadixCache
 
 SEED = "0"  # PYTHONHASHSEED for the hashes the mirror recomputes
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def events_json(port: int, **extra) -> str:
-    return json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
-                       "replay_endpoint": f"tcp://*:{port + 1}", **extra})
 
 
 # ---- an independent subscriber ---------------------------------------------------------------
@@ -231,7 +218,7 @@ def test_kv_events_config_parses_vllms_json():
 # ---- the radix cache alone ---------------------------------------------------------------------
 def make_cache(port: int, num_pages: int = 24, page_size: int = 4, rank: int = 0, algo: str = "sha256_cbor",
                **extra) -> tuple[RadixCache, ZmqEventPublisher]:
-    cfg = KVEventsConfig.parse(events_json(port - rank, **extra))
+    cfg = KVEventsConfig.parse(kv_events_json(port - rank, **extra))
     hasher = BlockHasher(algo, SEED)
     pub = ZmqEventPublisher(cfg, rank, hasher.external)
     return RadixCache(PagePool(num_pages, page_size), KVEventRecorder(hasher, pub)), pub
@@ -388,7 +375,7 @@ def test_engine_publishes_one_batch_a_step_under_memory_pressure(tiny_llama, mon
     monkeypatch.setenv("PYTHONHASHSEED", SEED)
     port = free_port()
     llm = LLM(model=str(tiny_llama), **small_engine_options(num_pages=14, max_model_len=96, max_num_seqs=4,
-                                                            kv_events_config=events_json(port)))
+                                                            kv_events_config=kv_events_json(port)))
     engine = llm.engine
     mirror = Mirror(port)
     pub = engine.prefix_cache.events.publisher
@@ -504,7 +491,7 @@ def test_server_publishes_kv_events_and_closes_on_sigterm(tmp_path_factory, monk
     monkeypatch.setenv("PYTHONHASHSEED", SEED)  # the server process inherits it
     model = make_full_vocab_tiny(tmp_path_factory.mktemp("kvsrv"))
     port = free_port()
-    server = start_server(model, tmp_path_factory.mktemp("kvxla"), "--kv-events-config", events_json(port, topic="kv@"))
+    server = start_server(model, tmp_path_factory.mktemp("kvxla"), "--kv-events-config", kv_events_json(port, topic="kv@"))
     mirror = Mirror(port, topic=b"kv@")
     try:
         prompt = "The quick brown fox jumps over the lazy dog. " * 6
@@ -532,36 +519,21 @@ def test_vllm_router_kv_aware_sends_each_prefix_to_the_server_that_cached_it(tmp
     it directly); through the router, continuations of each prompt reach the server holding it
     (their usage shows the cached prefix). Random routing would pass 1 time in 16."""
     import re
-    import subprocess
 
-    from server_utils import free_port as http_port
-    from server_utils import exercise_through_router, make_full_vocab_tiny, request, start_server
+    from server_utils import exercise_through_router, make_full_vocab_tiny, request, start_server, start_vllm_router
 
     model = make_full_vocab_tiny(tmp_path_factory.mktemp("kvrouter"))
     xla = tmp_path_factory.mktemp("kvrouterxla")
     ports = [free_port(), free_port()]
-    servers = [start_server(model, xla, "--kv-events-config", events_json(p)) for p in ports]
-    router_port = http_port()
+    servers = [start_server(model, xla, "--kv-events-config", kv_events_json(p)) for p in ports]
     log_path = xla / "router.log"
-    cmd = [str(router_bin(".venv-vllm-router", "vllm-router")), "--host", "127.0.0.1", "--port", str(router_port), "--prometheus-port",
-           str(http_port()), "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", "tiny",
-           "--log-level", "debug", "--worker-urls", *[s["base"] for s in servers]]
+    args = ["--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", "tiny", "--log-level", "debug",
+            "--worker-urls", *[s["base"] for s in servers]]
     for s, p in zip(servers, ports):
-        cmd += ["--kv-event-source", f"{s['base']}={'tcp://127.0.0.1:%d' % p}",
-                "--kv-event-replay-source", f"{s['base']}={'tcp://127.0.0.1:%d' % (p + 1)}"]
-    router = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+        args += ["--kv-event-source", f"{s['base']}=tcp://127.0.0.1:{p}",
+                 "--kv-event-replay-source", f"{s['base']}=tcp://127.0.0.1:{p + 1}"]
+    router, base = start_vllm_router(args, log_path)
     try:
-        base = f"http://127.0.0.1:{router_port}"
-        deadline = time.time() + 120
-        while True:
-            assert router.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if request("GET", base + "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
         rng = random.Random(3)
         prompts = [[rng.randrange(100, 40000) for _ in range(40)] for _ in servers]  # 2 full pages each
 
