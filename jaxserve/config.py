@@ -42,6 +42,10 @@ class EngineConfig:
     # The block hash KV events carry (vLLM's flag of the same name): "sha256_cbor", "sha256", or
     # "siphash13" (older vllm-router kv_aware keys). See jaxserve/cache/block_hash.py.
     prefix_caching_hash_algo: str = "sha256_cbor"
+    # Speculative decoding, vLLM's --speculative-config JSON (a mapping in YAML), e.g.
+    # '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'. Off by default;
+    # see jaxserve/engine/speculative.py. Steps then run synchronously (no overlap).
+    speculative_config: str | dict | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -84,6 +88,9 @@ class EngineConfig:
         from jaxserve.cache.kv_events import KVEventsConfig
 
         KVEventsConfig.parse(self.kv_events_config)  # a bad JSON fails at start-up, not at the first step
+        from jaxserve.engine.speculative import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}; "
                              f"got {self.prefix_caching_hash_algo!r}")

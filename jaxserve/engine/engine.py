@@ -24,6 +24,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request
 from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.speculative import SpecDecodeStats, SpeculativeConfig
 from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.models.llama import rope_inv_freq
 from jaxserve.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class _Tracked:
     replica: "Replica"
     emitted_chars: int = 0
     emitted_tokens: int = 0
+    pushed_tokens: int = 0  # output tokens given to the detokenizer
     text: str = ""
     sent_prompt_logprobs: bool = False
     logprob_dicts: list[dict[int, float]] = field(default_factory=list)  # built once per token
@@ -169,6 +171,10 @@ class LLMEngine:
                                       min_tokens=min_tokens)
         self.replicas: list[Replica] = []
         make_event_recorder = self._kv_event_recorders(config)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        if self.speculative is not None:
+            log.info("speculative decoding: %s, up to %d draft tokens a sequence", self.speculative.method,
+                     self.speculative.num_speculative_tokens)
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
             arrays = parallel.shard_params(params, mesh, dtype)  # each device gets only its slices
             inv_freq = jax.device_put(rope_inv_freq(cfg), parallel.replicated(mesh))
@@ -186,6 +192,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
                 num_penalty_slots=runner.num_penalty_slots, prefix_cache=prefix_cache,
                 policy=config.scheduling_policy, static=config.scheduler == "static",
+                speculative=self.speculative,
             )
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
         del params
@@ -224,8 +231,9 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         # Overlapped scheduling: step N+1 is planned and launched before step N's results are
         # read, so the host's work between steps runs while the device computes. Multi-host
-        # followers replay plans one at a time, so a multi-host leader steps synchronously.
-        self.overlap = config.async_scheduling and not self.multihost
+        # followers replay plans one at a time, so a multi-host leader steps synchronously. So does
+        # speculative decoding: the next step's drafts follow from what this one accepts.
+        self.overlap = config.async_scheduling and not self.multihost and self.speculative is None
         self._in_flight: list[_Launched] = []
         self.step_timings: deque = deque(maxlen=4096)  # (seqs, tokens, host s, schedule+device s)
         self._rng = np.random.default_rng(config.seed)
@@ -402,7 +410,11 @@ class LLMEngine:
     def _collect(self, replica: Replica, plan: Any, token_ids: np.ndarray, logprobs: Any, prompt_lps: Any,
                  now: float) -> list[RequestOutput]:
         outputs = []
+        seen: set[int] = set()
         for req, _ in replica.scheduler.update(plan, token_ids, logprobs, prompt_lps):
+            if id(req) in seen:  # several tokens (accepted drafts): one output for all of them
+                continue
+            seen.add(id(req))
             if req.first_token_time is None:
                 req.first_token_time = now
             tracked = self._tracked.get(req.request_id)
@@ -428,20 +440,30 @@ class LLMEngine:
     def _advance(self, t: _Tracked) -> RequestOutput:
         req = t.request
         p = req.params
-        t.detok.push(req.output_token_ids[-1])
-        text = t.detok.text
         finished = req.is_finished
-        if p.stop_strings:
-            start = max(0, t.emitted_chars - max(len(s) for s in p.stop_strings))
-            hits = [(text.find(s, start), s) for s in p.stop_strings]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                idx, s = min(hits)
-                text = text[:idx]
-                if not finished:
-                    req.finish_reason, req.stop_reason = "stop", s
-                    t.replica.scheduler.finish(req, "stop")
-                finished = True
+        text = t.detok.text
+        # Token by token, as without speculation: a stop string completed by an accepted draft
+        # ends the output at that token, and the tokens after it are dropped.
+        while t.pushed_tokens < len(req.output_token_ids):
+            t.detok.push(req.output_token_ids[t.pushed_tokens])
+            t.pushed_tokens += 1
+            text = t.detok.text
+            if p.stop_strings:
+                start = max(0, t.emitted_chars - max(len(s) for s in p.stop_strings))
+                hits = [(text.find(s, start), s) for s in p.stop_strings]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    idx, s = min(hits)
+                    text = text[:idx]
+                    if t.pushed_tokens < len(req.output_token_ids):
+                        del req.output_token_ids[t.pushed_tokens:]
+                        del req.output_logprobs[t.pushed_tokens:]
+                        finished = False  # a later token's stop (EOS, length) no longer counts
+                    if not finished:
+                        req.finish_reason, req.stop_reason = "stop", s
+                        t.replica.scheduler.finish(req, "stop")
+                    finished = True
+                    break
         if finished:
             visible = len(text)
         else:
@@ -503,6 +525,14 @@ class LLMEngine:
                 external = r.prefix_cache.external_refs()
             r.pool.check_invariants(external)
             r.scheduler.check_invariants()
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """Speculative decoding totals of all replicas (zeros with speculation off)."""
+        total = SpecDecodeStats()
+        for r in self.replicas:
+            total = total.merged(r.scheduler.spec_stats)
+        return total
 
     @property
     def compiles_after_warmup(self) -> int:

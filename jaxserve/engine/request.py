@@ -63,6 +63,11 @@ class Request:
     # Structured output: the request's grammar matcher (jaxserve/engine/structured.Constraint), or
     # None. A constrained request is planned only with no token pending (its mask needs them all).
     constraint: object | None = field(default=None, repr=False)
+    # Speculative decoding: draft tokens proposed and accepted so far, and the scheduler step
+    # before which this request proposes no more (drafts that keep failing back off).
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_paused_until: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -54,6 +54,12 @@ class SamplingArrays:
     # it got the slot).
     penalty_slot: jax.Array  # [S] i32
     penalty_init: jax.Array  # [S] bool
+    # Speculative decoding: a sequence with d draft tokens has d + 1 consecutive rows starting at
+    # row_start; verify[r] is the draft that follows row r's position (-1 for a sequence's last
+    # row): the sequence goes on past row r only if row r draws it. Rows of one sequence share its
+    # penalty slot; a row's penalties count the drafts before it as output.
+    verify: jax.Array  # [S] i32
+    row_start: jax.Array  # [S] i32
 
 
 @jax.tree_util.register_dataclass
@@ -102,6 +108,8 @@ def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = 
         pending_col=np.zeros(num_rows, np.int32),
         penalty_slot=np.full(num_rows, -1, np.int32),
         penalty_init=np.zeros(num_rows, np.bool_),
+        verify=np.full(num_rows, -1, np.int32),
+        row_start=np.arange(num_rows, dtype=np.int32),
     )
 
 
@@ -109,7 +117,7 @@ def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = 
 # transfer instead of one per field); floats and unsigned ints travel bit for bit.
 _PACKED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seeds", "steps", "prompt_lens", "banned", "want_logprobs",
-                  "pending_src", "pending_col", "penalty_slot", "penalty_init")
+                  "pending_src", "pending_col", "penalty_slot", "penalty_init", "verify", "row_start")
 _PACKED_DTYPES = {k: v.dtype for k, v in empty_sampling_arrays(1, 1).items()}
 
 
@@ -195,13 +203,38 @@ def _slot_rows(state: PenaltyState, s: SamplingArrays, prev_ids: jax.Array | Non
         return seen, counts, state
 
     seen, counts, state = jax.lax.cond(jnp.any(s.penalty_init & has), rebuild, lambda a: a, (seen, counts, state))
+
+    def with_drafts(seen_counts):
+        seen, counts = seen_counts
+        drafts = _drafts_before(s, vocab)
+        return seen | (drafts > 0), counts + drafts
+
+    seen, counts = jax.lax.cond(jnp.any(s.verify >= 0), with_drafts, lambda a: a, (seen, counts))
     return seen & has[:, None], jnp.where(has[:, None], counts, 0), state
 
 
+def _drafts_before(s: SamplingArrays, vocab: int) -> jax.Array:
+    """[S, V] counts of the draft tokens that precede each row within its sequence (the output a
+    row's position follows, beyond what the penalty state holds)."""
+    rows = s.verify.shape[0]
+    one_hot = jnp.zeros((rows, vocab), jnp.int32).at[jnp.arange(rows), jnp.where(s.verify >= 0, s.verify, vocab)
+                                                     ].add(1, mode="drop")
+    before = jnp.cumsum(one_hot, axis=0) - one_hot  # rows strictly before each row
+    return before - before[s.row_start]
+
+
+def emitted_rows(s: SamplingArrays, tokens: jax.Array) -> jax.Array:
+    """[S] bool: rows whose drawn token the sequence keeps, those at or before its first rejected
+    draft (every row of a sequence without drafts). The host applies the same rule to the ids."""
+    broke = ((s.verify >= 0) & (tokens != s.verify)).astype(jnp.int32)
+    before = jnp.cumsum(broke) - broke
+    return before == before[s.row_start]
+
+
 def _count_sampled(state: PenaltyState, s: SamplingArrays, tokens: jax.Array) -> PenaltyState:
-    """The step's sampled tokens added to their rows' slots (what the next step's penalties see)."""
+    """The step's kept tokens added to their rows' slots (what the next step's penalties see)."""
     num_slots = state.counts.shape[0]
-    dest = jnp.where(s.penalty_slot >= 0, s.penalty_slot, num_slots)
+    dest = jnp.where((s.penalty_slot >= 0) & emitted_rows(s, tokens), s.penalty_slot, num_slots)
     return PenaltyState(state.seen.at[dest, tokens].set(True, mode="drop"),
                         state.counts.at[dest, tokens].add(1, mode="drop"))
 

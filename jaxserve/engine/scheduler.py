@@ -31,6 +31,7 @@ from jaxserve.cache.page_pool import OutOfPagesError, PagePool
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampler import MAX_BANNED, empty_sampling_arrays
+from jaxserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, accepted_length, make_proposer
 from jaxserve.engine.structured import fill_masks
 
 _INT32_MAX = 2**31 - 1
@@ -44,6 +45,10 @@ class ScheduledSeq:
     num_tokens: int  # tokens computed this step
     sample: bool  # this chunk reaches the end of the known tokens: a new token comes out
     offset: int = 0  # flat row of the chunk's first token in the step (set when the plan is built)
+    # Speculative decoding: draft tokens that follow the chunk's last known token (counted in
+    # num_tokens); the step draws a token at each of the 1 + len(drafts) positions.
+    drafts: list[int] = field(default_factory=list)
+    row: int = 0  # the sampler row of the chunk's first sampled position (set when the plan is built)
 
 
 @dataclass
@@ -91,6 +96,7 @@ class Scheduler:
         prefix_cache: object | None = None,
         policy: str = "fcfs",
         static: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ):
         self.pool = pool
         self.buckets = buckets
@@ -111,6 +117,11 @@ class Scheduler:
         if self.num_penalty_slots < max_num_seqs:
             raise ValueError(f"{self.num_penalty_slots} penalty slots cannot serve {max_num_seqs} sequences")
         self._free_penalty_slots = list(range(self.num_penalty_slots - 1, -1, -1))
+        # Speculative decoding: the draft source, and what verification accepted so far.
+        self.speculative = speculative
+        self.proposer = make_proposer(speculative) if speculative is not None else None
+        self.spec_stats = SpecDecodeStats()
+        self.num_steps = 0
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -137,6 +148,8 @@ class Scheduler:
         if reason == "abort":
             req.finish_reason = "abort"
         self.requests.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(req)
 
     def _cache_computed(self, req: Request) -> None:
         """Give the prefix cache the full pages of what this request computed."""
@@ -217,6 +230,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Request] = []
+        self.num_steps += 1
+        # Draft tokens take sampler rows: a step samples at most max_num_seqs rows (one per
+        # sequence, plus one per draft), so drafts use only the room fewer sequences leave.
+        num_drafts = 0
+        speculate = self.proposer is not None and (self.speculative.disable_by_batch_size is None
+                                                   or len(self.running) <= self.speculative.disable_by_batch_size)
 
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -228,6 +247,11 @@ class Scheduler:
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            drafts: list[int] = []
+            if speculate and n == 1:
+                drafts = self._propose(req, min(budget - 1, self.max_num_seqs - len(self.running) - num_drafts))
+            sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
+            n += len(drafts)
             while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -236,9 +260,9 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n,
-                                          req.num_computed_tokens + n == req.num_tokens + req.num_pending))
+            scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n, sample, drafts=drafts))
             budget -= n
+            num_drafts += len(drafts)
 
         can_admit = not preempted and (not self.static or not self.running)
         if can_admit:
@@ -247,7 +271,7 @@ class Scheduler:
         # place in the queue: they hold up nobody behind them.
         deferred: list[Request] = []
         # Static batching admits a whole batch at once; its prefills then proceed chunk by chunk.
-        while can_admit and self.waiting and len(self.running) < self.max_num_seqs:
+        while can_admit and self.waiting and len(self.running) + num_drafts < self.max_num_seqs:
             if budget <= 0 and not self.static:
                 break
             req = self.waiting[0]
@@ -287,6 +311,29 @@ class Scheduler:
         # Decodes first, then prefill chunks (the ragged kernels expect that order).
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return self._build_plan(scheduled, preempted)
+
+    def _propose(self, req: Request, limit: int) -> list[int]:
+        """Draft tokens for a decoding request, at most `limit`: none while its drafts back off, for
+        structured output (its masks follow the grammar token by token), or for a request with
+        penalties whose state is not on the device yet (drafts would be counted before it is built)."""
+        if (limit <= 0 or req.num_pending or req.constraint is not None or not req.output_token_ids
+                or self.num_steps < req.spec_paused_until
+                or (req.params.uses_penalties and req.penalty_slot is None)):
+            return []
+        # The drafts and the token after them must fit max_tokens (and so the context).
+        limit = min(limit, self.speculative.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
+        return self.proposer.propose(req, limit) if limit > 0 else []
+
+    def _record_verification(self, req: Request, proposed: int, accepted: int) -> None:
+        self.spec_stats.record(proposed, accepted)
+        req.spec_proposed += proposed
+        req.spec_accepted += accepted
+        config = self.speculative
+        if req.spec_proposed >= config.min_proposals and req.spec_accepted < config.min_acceptance * req.spec_proposed:
+            # Mostly rejected: each draft costs a sampler row and a step token for nothing. Pause,
+            # then judge afresh (the text may become repetitive later, e.g. an edit's copied part).
+            req.spec_paused_until = self.num_steps + config.backoff_steps
+            req.spec_proposed = req.spec_accepted = 0
 
     def _shareable_tokens(self, req: Request) -> int:
         """Prompt tokens a sibling can take over: whole pages, short of the last prompt token
@@ -364,10 +411,14 @@ class Scheduler:
             max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
             T, S, P = self.buckets.pick(num_tokens, max_pages)
             samp = empty_sampling_arrays(S, self.history_len, with_history=builds_penalties)
-            for i, s in enumerate(scheduled):
+            row = 0
+            for s in scheduled:  # a sampler row per sequence, and one per draft token
+                s.row, row = row, row + 1 + len(s.drafts)
+            assert row <= S, f"{row} sampler rows in a bucket of {S}"  # drafts are capped to fit
+            for s in scheduled:
                 try:
                     # Sampling first: it is what can fail on a user's value, before any row is written.
-                    self._fill_sampling(samp, i, s.request)
+                    self._fill_sampling(samp, s.row, s.request)
                 except Exception as exc:  # noqa: BLE001 - any failure here is this request's alone
                     self._fail(s.request, exc)
                     failed.append(s)
@@ -376,9 +427,11 @@ class Scheduler:
             scheduled = [s for s in scheduled if all(s is not f for f in failed)]  # rows stay dense
             if not scheduled:
                 return None
-        for i, s in enumerate(scheduled):  # the rows are final: penalty slots can be handed out
+        for s in scheduled:  # the rows are final: penalty slots can be handed out
             if s.sample and s.request.params.uses_penalties:
-                self._fill_penalties(samp, i, s.request)
+                self._fill_penalties(samp, s.row, s.request)
+            if s.drafts:
+                self._fill_draft_rows(samp, s)
         n = len(scheduled)
         starts = np.fromiter((s.start for s in scheduled), np.int32, n)
         lens = np.fromiter((s.num_tokens for s in scheduled), np.int32, n)
@@ -396,7 +449,12 @@ class Scheduler:
         kv_lens = np.zeros(S, np.int32)
         kv_lens[:n] = starts + lens
         logits_idx = np.zeros(S, np.int32)
-        logits_idx[:n] = cu[1: n + 1] - 1
+        last_rows = np.fromiter((s.row + len(s.drafts) for s in scheduled), np.int32, n)
+        logits_idx[last_rows] = cu[1: n + 1] - 1
+        for i, s in enumerate(scheduled):  # a draft row's logits are those of the position before it
+            d = len(s.drafts)
+            if d:
+                logits_idx[s.row: s.row + d] = np.arange(cu[i + 1] - 1 - d, cu[i + 1] - 1, dtype=np.int32)
         tokens = np.zeros(T, np.int32)
         token_src = np.full(T, -1, np.int32)
         targets = np.full(T, -1, np.int32)
@@ -405,12 +463,13 @@ class Scheduler:
         for i, s in enumerate(scheduled):
             req = s.request
             s.offset = off = int(cu[i])
-            end = s.start + s.num_tokens
+            end = s.start + s.num_tokens - len(s.drafts)
             known = min(end, req.num_tokens)
             flat += req.token_slice(s.start, known)
             if end > known:  # the last input is the token the launched step is sampling
-                token_src[off + s.num_tokens - 1] = req.sample_row
+                token_src[off + end - 1 - s.start] = req.sample_row
                 flat.append(0)
+            flat += s.drafts
             if req.prompt_logprobs is not None and s.start < req.prompt_logprob_rows_needed:
                 last = min(end, req.prompt_logprob_rows_needed)
                 targets[off: off + last - s.start] = req.prompt_token_ids[s.start + 1: last + 1]
@@ -421,7 +480,7 @@ class Scheduler:
             s.request.num_computed_tokens = s.start + s.num_tokens
             if s.sample:
                 s.request.num_pending += 1
-                s.request.sample_row = i
+                s.request.sample_row = s.row + len(s.drafts)
         return StepPlan(
             seqs=scheduled, num_tokens=num_tokens, tokens=tokens, positions=positions, slot_mapping=slots,
             kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([n], np.int32),
@@ -433,7 +492,7 @@ class Scheduler:
     def _token_bitmask(scheduled: list[ScheduledSeq], num_rows: int) -> np.ndarray | None:
         """The allowed tokens of each constrained row that samples this step (its matcher is up to
         date: schedule() plans no constrained request with a token pending), or None."""
-        rows = [(i, s.request.constraint) for i, s in enumerate(scheduled)
+        rows = [(s.row, s.request.constraint) for s in scheduled
                 if s.sample and s.request.constraint is not None]
         if not rows:
             return None
@@ -472,6 +531,24 @@ class Scheduler:
                                                                           if t <= _INT32_MAX]
             banned = banned[:MAX_BANNED]
             samp["banned"][i, : len(banned)] = banned
+
+    @staticmethod
+    def _fill_draft_rows(samp: dict[str, np.ndarray], s: ScheduledSeq) -> None:
+        """The rows after a sequence's first sampled position: its sampling values, one output index
+        further each (the seed's noise and min_tokens follow the output index), the draft each row's
+        draw is checked against, and where the sequence's rows start (for acceptance on device)."""
+        first, d = s.row, len(s.drafts)
+        rows = slice(first + 1, first + d + 1)
+        for name, a in samp.items():
+            if a is not None and name not in ("history", "penalty_init", "pending_src", "pending_col"):
+                a[rows] = a[first]
+        ahead = np.arange(1, d + 1, dtype=np.int32)
+        samp["steps"][rows] += ahead
+        p = s.request.params
+        # min_tokens bans EOS and stop ids while the output index is below it.
+        samp["banned"][rows][samp["steps"][rows] >= p.min_tokens] = -1
+        samp["verify"][first: first + d] = s.drafts
+        samp["row_start"][first: first + d + 1] = first
 
     def _fill_penalties(self, samp: dict[str, np.ndarray], i: int, req: Request) -> None:
         """Penalty values and slot of a row that samples; a request new to its slot sends its
@@ -516,23 +593,35 @@ class Scheduler:
             # pages were freed after the step's reads on the device.
             if prompt_logprobs is not None and req.prompt_logprobs is not None:
                 self._store_prompt_logprobs(req, s, prompt_logprobs)
-            if s.num_tokens > 1 and req.status == RequestStatus.RUNNING:
+            accepted = 0
+            if s.drafts:
+                accepted = accepted_length(s.drafts, token_ids[s.row: s.row + len(s.drafts)])
+                self._record_verification(req, len(s.drafts), accepted)
+                if req.status == RequestStatus.RUNNING:
+                    # The rejected drafts' KV is wrong: only the input and the accepted drafts count
+                    # as computed (their slots are overwritten later, and never reach the prefix cache).
+                    req.num_computed_tokens = s.start + 1 + accepted
+            elif s.num_tokens > 1 and req.status == RequestStatus.RUNNING:
                 # Share each prefill chunk's full pages at once: requests with the same beginning
                 # (n > 1 siblings, a common system prompt) admitted next step reuse them.
                 self._cache_computed(req)
             if not s.sample:
                 continue
-            tok = int(token_ids[i])
-            req.output_token_ids.append(tok)
-            if logprobs is not None and req.params.logprobs is not None:
-                lp, top_ids, top_lp = logprobs
-                k = req.params.logprobs
-                req.output_logprobs.append((float(lp[i]), top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))
-            new_tokens.append((req, tok))
-            if req.constraint is not None and self._advance_constraint(req, tok):
-                continue
-            if req.check_stop_token():
-                self.finish(req, req.finish_reason)
+            # The accepted drafts, then the token drawn after the last of them; a stop among them
+            # ends the request there.
+            for row in range(s.row, s.row + accepted + 1):
+                tok = int(token_ids[row])
+                req.output_token_ids.append(tok)
+                if logprobs is not None and req.params.logprobs is not None:
+                    lp, top_ids, top_lp = logprobs
+                    k = req.params.logprobs
+                    req.output_logprobs.append((float(lp[row]), top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))
+                new_tokens.append((req, tok))
+                if req.constraint is not None and self._advance_constraint(req, tok):
+                    break
+                if req.check_stop_token():
+                    self.finish(req, req.finish_reason)
+                    break
         return new_tokens
 
     def _advance_constraint(self, req: Request, tok: int) -> bool:

@@ -56,9 +56,21 @@ class VllmMetrics:
                                   ["model_name", "engine", "block_size", "num_gpu_blocks", "num_cpu_blocks",
                                    "enable_prefix_caching", "cache_dtype"], registry=r)
         self._cache_config_set = False
+        # Speculative decoding (vLLM V1's names): verified sequences with drafts, draft tokens,
+        # accepted ones, and accepted ones per draft position.
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Sequences verified with draft tokens",
+                                   names, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", names,
+                                         registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", names,
+                                     registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, per draft position", names + ("position",),
+                                             registry=r)
+        self._spec_seen = (0, 0, 0, [])
         # Every series exists from the first scrape (at 0), as vLLM's do: consumers find them before traffic.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue):
             metric.labels(**self.label_values)
         for reason in ("stop", "length", "abort"):
@@ -67,6 +79,20 @@ class VllmMetrics:
     def of(self, metric: Any) -> Any:
         """The series of `metric` for this server (its label values)."""
         return metric.labels(**self.label_values)
+
+    def count_spec_decode(self, stats: Any) -> None:
+        """Advance the spec-decode counters to the engine's running totals (a SpecDecodeStats)."""
+        drafts, tokens, accepted, per_pos = self._spec_seen
+        if stats.num_drafts < drafts:
+            return  # (never: the totals only grow)
+        self.of(self.spec_drafts).inc(stats.num_drafts - drafts)
+        self.of(self.spec_draft_tokens).inc(stats.num_draft_tokens - tokens)
+        self.of(self.spec_accepted).inc(stats.num_accepted_tokens - accepted)
+        for pos, count in enumerate(stats.accepted_per_pos):
+            seen = per_pos[pos] if pos < len(per_pos) else 0
+            self.spec_accepted_per_pos.labels(**self.label_values, position=str(pos)).inc(count - seen)
+        self._spec_seen = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                           list(stats.accepted_per_pos))
 
     def set_cache_config(self, config: Any, num_pages: int, page_size: int) -> None:
         """num_pages: the usable KV pages of all replicas (the null page excluded); the KV cache
@@ -144,6 +170,8 @@ class Metrics:
                 v.of(v.prefix_hits).inc(hit - seen_h)
                 self._prefix_seen = (queried, hit)
         self.compiles.set(e.compiles_after_warmup)
+        if getattr(e, "speculative", None) is not None:
+            v.count_spec_decode(e.spec_decode_stats)
         v.set_cache_config(e.config, (e.num_pages - 1) * len(e.replicas), e.pool.page_size)
 
     # ---- per-request observations, recorded under both families --------------------------------

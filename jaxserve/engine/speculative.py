@@ -1,0 +1,205 @@
+"""Speculative decoding: where draft tokens come from, and what verifying them yielded.
+
+A decoding sequence with d draft tokens becomes a (1 + d)-token row of the ordinary ragged step:
+its inputs are its last token and the drafts, and the sampler draws a token at each of the 1 + d
+positions, keyed by (seed, output index) exactly as without speculation. Draft j is accepted when
+the token drawn at the position before it equals it; the sequence gains the accepted drafts and
+the token drawn after the last of them. For a draft that is a single proposed token (every source
+here proposes tokens, not distributions), "draw from the target, accept if equal, else keep the
+draw" is the rejection-sampling rule itself: accepted with probability p(draft), and on rejection
+the draw is distributed as p without the draft, renormalized. So outputs follow the target's
+distribution exactly, and a seeded request gives the same tokens with speculation on or off.
+
+Draft rows share the step's sample rows with everything else: a step never samples more rows
+than `max_num_seqs`, so drafts use only the room that fewer running sequences leave, and under
+full load speculation stops by itself, with no new compiled shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from jaxserve.engine.request import Request
+
+METHODS = ("ngram",)
+# vLLM's methods that need a second model or trained heads: named so that the error says so.
+_NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config JSON: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}. `disable_by_batch_size`: no drafts while more
+    sequences than this run (vLLM's name). A request whose drafts are mostly rejected stops
+    proposing for `backoff_steps` steps once it has proposed `min_proposals` tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+    min_acceptance: float = 0.2
+    min_proposals: int = 16
+    backoff_steps: int = 32
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None) -> "SpeculativeConfig | None":
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        method = value.get("method", "ngram")
+        if method in _NOT_BUILT:
+            raise ValueError(f"speculative_config: method {method!r} is not supported yet; supported: {METHODS}")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: unknown method {method!r}; supported: {METHODS}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        # One given: the other equals it (as in vLLM); neither: the defaults above.
+        if lo is None and hi is not None:
+            lo = min(hi, cls.prompt_lookup_min)
+        if hi is None and lo is not None:
+            hi = max(lo, cls.prompt_lookup_max)
+        config = cls(**{**value, "prompt_lookup_min": lo or cls.prompt_lookup_min,
+                        "prompt_lookup_max": hi or cls.prompt_lookup_max})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
+
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "min_proposals"):
+            positive_int(name)
+        if self.backoff_steps < 0:
+            raise ValueError("speculative_config: backoff_steps must be >= 0")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.disable_by_batch_size is not None:
+            positive_int("disable_by_batch_size")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError("speculative_config: min_acceptance must be in [0, 1]")
+
+
+class DraftProposer(Protocol):
+    """A source of draft tokens. `propose` returns at most `limit` tokens that may follow the
+    request's tokens (prompt and output); `release` forgets a finished request."""
+
+    def propose(self, req: Request, limit: int) -> list[int]: ...
+
+    def release(self, req: Request) -> None: ...
+
+
+@dataclass
+class _NgramIndex:
+    """Per request: for each n, the end (exclusive) of the latest occurrence of every n-gram seen,
+    built incrementally: a step adds the n-grams its new tokens complete, O(1) each."""
+
+    by_n: dict[int, dict[tuple[int, ...], int]]
+    indexed: int = 0  # n-grams ending before this position are in by_n
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n
+    first, from prompt_lookup_max down to prompt_lookup_min) in its own prompt and output, and
+    propose the tokens that followed it (a pattern that repeats is continued past the end)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self._index: dict[str, _NgramIndex] = {}
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        length = req.num_tokens
+        if limit <= 0 or length <= self.min_n:
+            return []
+        index = self._index.get(req.request_id)
+        if index is None:
+            index = self._index[req.request_id] = _NgramIndex({n: {} for n in range(self.min_n, self.max_n + 1)})
+        # Index every n-gram that ends before the last position: the suffix itself must match an
+        # earlier occurrence, whose continuation exists.
+        start = max(0, index.indexed - self.max_n)
+        window = req.token_slice(start, length)
+        for end in range(max(index.indexed, self.min_n), length):
+            for n, table in index.by_n.items():
+                if end >= n:
+                    table[tuple(window[end - n - start: end - start])] = end
+        index.indexed = max(index.indexed, length)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            end = index.by_n[n].get(tuple(window[length - n - start:]))
+            if end is not None:
+                drafts = req.token_slice(end, min(end + limit, length))
+                # A match that runs into the suffix itself (a repeating pattern, period
+                # length - end) goes on repeating past the end.
+                period = length - end
+                while len(drafts) < limit:
+                    drafts.append(drafts[len(drafts) - period])
+                return drafts
+        return []
+
+    def release(self, req: Request) -> None:
+        self._index.pop(req.request_id, None)
+
+
+def make_proposer(config: SpeculativeConfig) -> DraftProposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    raise ValueError(f"no proposer for method {config.method!r}")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Running totals, vLLM's spec_decode metrics: drafts (sequences verified with at least one
+    draft token), draft tokens, accepted tokens, and accepted tokens per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos += [0] * (proposed - len(self.accepted_per_pos))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verified sequence gains per step: the accepted drafts plus the one drawn after."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def merged(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
+        return SpecDecodeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                               self.num_accepted_tokens + other.num_accepted_tokens,
+                               [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))])
+
+
+def accepted_length(drafts: list[int], sampled: Any) -> int:
+    """Drafts accepted: the longest prefix where the token drawn at the position before each draft
+    equals it (`sampled[j]` is drawn where drafts[j] is the next input)."""
+    a = 0
+    while a < len(drafts) and int(sampled[a]) == drafts[a]:
+        a += 1
+    return a
