@@ -5,7 +5,9 @@
 
 Workloads (seeded, so runs compare): random (input/output lengths in ranges), sharegpt (a synthetic
 conversation-like length mix), shared-prefix (groups x prompts with a common system prompt, as
-SGLang's generated-shared-prefix), multi-turn (each turn resends the history). Arrivals: all at once
+SGLang's generated-shared-prefix), multi-turn (each turn resends the history), edit (a code file
+then a request to write it again: outputs repeat the prompt, where speculative decoding pays; the
+file is scripts/bench_spec.py's). Arrivals: all at once
 (--request-rate inf) or Poisson at a rate, optionally capped by --max-concurrency; comma lists
 sweep (every rate with every concurrency). Prints vLLM-style metrics per point, goodput against
 --slo-ttft/--slo-tpot, JSON, and a throughput-latency plot with one curve per --label.
@@ -65,6 +67,11 @@ def make_workload(args) -> list[Req]:
                 for s in systems for _ in range(args.prompts_per_group)]
         rng.shuffle(reqs)
         return reqs
+    if args.workload == "edit":
+        from bench_spec import CODE
+
+        return [Req(f"{CODE}\n\n# The same file again ({i}), unchanged:\n", args.output_len[1])
+                for i in range(args.num_prompts)]
     if args.workload == "multi-turn":
         return [Req(text_of(rng, args.question_len), args.output_len[1], conversation=c)
                 for c in range(args.num_prompts)]
@@ -275,7 +282,7 @@ def main() -> None:
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--grpc-target", default="127.0.0.1:50051")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--workload", choices=["random", "sharegpt", "shared-prefix", "multi-turn"], default="random")
+    ap.add_argument("--workload", choices=["random", "sharegpt", "shared-prefix", "multi-turn", "edit"], default="random")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int_range, default=[32, 256], help="words, as MIN-MAX or N")
     ap.add_argument("--output-len", type=int_range, default=[16, 128],

@@ -15,9 +15,11 @@ from test_engine_overlap import close, summary
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.request import Request
-from jaxserve.engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig, accepted_length
+from jaxserve.engine.speculative import (NgramProposer, SpecDecodeStats, SpeculativeConfig, SuffixProposer,
+                                         accepted_length)
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 4})
 
 # Text that repeats itself, so that drafts are proposed and many are accepted.
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"
@@ -70,7 +72,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(options, reference):
         a, b = [a[i] for i in greedy], [b[i] for i in greedy]
     assert close(summary(a), summary(b))
     stats = spec.engine.spec_decode_stats
-    assert stats.num_accepted_tokens > 20 and stats.mean_accepted_length > 1.5, stats
+    assert stats.num_accepted_tokens > 10 and stats.mean_accepted_length > 1.3, stats
     assert stopped.stop_reason == "green green green" and "green green" not in stopped.text
     assert len(last.token_ids) == 3
     if options.get("num_pages") == 14:
@@ -202,7 +204,8 @@ def test_unseeded_sampling_follows_the_target_distribution(tmp_path):
                                                                          initializer_range=1.0)))
     opts = small_engine_options(max_num_seqs=64, max_num_batched_tokens=128, num_pages=1024)
     prompt = [5, 6, 7, 8]
-    spec = LLM(model=str(path), **opts, speculative_config=SPEC)
+    # min_acceptance 0: every step drafts the most, however often drafts fail here.
+    spec = LLM(model=str(path), **opts, speculative_config={**json.loads(SPEC), "min_acceptance": 0.0})
     greedy = spec.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     spec.engine.scheduler.proposer = GreedyPathProposer(len(prompt), greedy[0].outputs[0].token_ids)
     # 16 at a time: a full batch (max_num_seqs running) leaves no sampler rows for drafts.
@@ -247,9 +250,126 @@ def test_unseeded_sampling_follows_the_target_distribution(tmp_path):
     spec.engine.check_invariants()
 
 
+def test_suffix_drafts_keep_outputs_and_learn_from_earlier_requests():
+    """Suffix decoding: the same outputs as plain decoding for every option; a request whose
+    answer an earlier request already gave is drafted from that output (cross-request counts).
+    A fresh reference: one whose prefix cache already holds these prompts computes their KV in
+    other chunks, a few ulps apart, which can flip a sampled draw (seen once)."""
+    reference = LLM(**small_engine_options(async_scheduling=False))
+    spec = LLM(**small_engine_options(speculative_config=SUFFIX))
+    params = mixed_params()
+    a = spec.generate(PROMPTS, params, use_tqdm=False)
+    b = reference.generate(PROMPTS, params, use_tqdm=False)
+    assert close(summary(a), summary(b))
+    assert spec.engine.spec_decode_stats.num_accepted_tokens > 20
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt = "Tell me about the history of Rome, from its founding to the fall of the empire."
+    lengths, outputs = [], []
+    for _ in range(2):
+        before = spec.engine.spec_decode_stats
+        outputs.append(spec.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        after = spec.engine.spec_decode_stats
+        drafts = after.num_drafts - before.num_drafts
+        lengths.append(1 + (after.num_accepted_tokens - before.num_accepted_tokens) / max(1, drafts))
+    assert outputs[0] == outputs[1] == reference.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert lengths[1] > 3.0 and lengths[1] > lengths[0] + 1.0, lengths
+    spec.engine.check_invariants()
+
+
+def test_suffix_proposer_counts_and_forgets():
+    config = SpeculativeConfig.parse(SUFFIX)
+    proposer = SuffixProposer(config)
+    done = _request([1, 2], [3, 4, 5, 6, 7], rid="done")
+    proposer.release(done)  # its output becomes shared: 3 4 -> 5 6 7
+    req = _request([9, 9, 3, 4])
+    assert proposer.propose(req, 3) == [5, 6]  # two matched tokens, spec factor 1: at most 2
+    assert proposer.propose(_request([8, 8, 8, 3], rid="b"), 4) == [4]
+    # The oldest cached output leaves past the cap, and its counts with it.
+    small = SuffixProposer(SpeculativeConfig.parse({**json.loads(SUFFIX), "suffix_decoding_max_cached_requests": 1}))
+    small.release(done)
+    small.release(_request([1], [20, 21, 22], rid="other"))
+    assert small.propose(_request([9, 3, 4], rid="c"), 3) == []
+    assert small.propose(_request([9, 20, 21], rid="d"), 3) == [22]
+    assert set(small.shared.table) == {(20,), (21,), (20, 21)}
+
+
+MESH_SCRIPT = """
+import os, json, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, {tests!r})
+from conftest import small_engine_options
+from test_speculative import PROMPTS, SPEC
+from jaxserve import LLM, SamplingParams
+params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+out = {{}}
+for mesh, spec in (("1x1", None), ("2x2", SPEC), ("1x2", SPEC)):
+    llm = LLM(**small_engine_options(mesh=mesh, speculative_config=spec))
+    out[mesh] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.engine.check_invariants()
+    out[mesh + " accepted"] = llm.engine.spec_decode_stats.num_accepted_tokens
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_speculation_on_meshes_matches_1x1():
+    """Data-parallel replicas (2x2: each its own scheduler and drafts) and tensor parallelism
+    (1x2) with speculation give the greedy tokens of a 1x1 engine without it (simulated devices)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_parallel import worker_env
+
+    code = MESH_SCRIPT.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["2x2"] == out["1x1"] and out["1x2"] == out["1x1"]
+    assert out["2x2 accepted"] > 20 and out["1x2 accepted"] > 20
+
+
+@pytest.mark.slow
+def test_server_streams_accepted_runs_in_order_and_exposes_spec_metrics(xla_cache):
+    """The server with --speculative-config on the default model: a streamed chat (several tokens
+    a step reach the client) reassembles to the non-streamed answer (that answers equal those
+    without speculation, the engine tests check); vLLM's spec-decode counters move with what was
+    accepted, per position too."""
+    from server_utils import post, request, sse, start_server
+    from test_fleet_http import scrape, value
+
+    from jaxserve.loading import default_model_path
+
+    srv = start_server(default_model_path(), xla_cache, "--speculative-config", SPEC)
+    try:
+        line = "the quick brown fox jumps over the lazy dog near the old river bank. "
+        body = {"model": "tiny", "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "user", "content": "Repeat this exactly: " + line * 2}]}
+        status, full = post(srv, "/v1/chat/completions", body)
+        assert status == 200, full
+        status, events = sse(srv, "/v1/chat/completions", body)
+        assert status == 200 and events[-1] == "[DONE]"
+        chunks = [e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e.get("choices")]
+        assert "".join(chunks) == full["choices"][0]["message"]["content"]
+        samples = scrape(srv)
+        drafts = value(samples, "vllm:spec_decode_num_drafts_total")
+        proposed = value(samples, "vllm:spec_decode_num_draft_tokens_total")
+        accepted = value(samples, "vllm:spec_decode_num_accepted_tokens_total")
+        per_pos = [value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+                   for p in range(4)]
+        assert 0 < accepted <= proposed and drafts > 0, (drafts, proposed, accepted)
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+        # Fewer chunks than tokens: accepted runs arrive as one delta.
+        assert len(chunks) < full["usage"]["completion_tokens"]
+    finally:
+        srv["proc"].kill()
+        srv["proc"].wait()
+
+
 # ---- the proposer and the config on their own -----------------------------------------------
-def _request(prompt: list[int], output: list[int] = ()) -> Request:
-    req = Request("r", list(prompt), SamplingParams(max_tokens=16), 16, 0)
+def _request(prompt: list[int], output: list[int] = (), rid: str = "r") -> Request:
+    req = Request(rid, list(prompt), SamplingParams(max_tokens=16), 16, 0)
     req.output_token_ids = list(output)
     return req
 
@@ -270,6 +390,21 @@ def test_ngram_proposer_continues_the_latest_match_longest_n_first():
     assert not proposer._index
 
 
+def test_draft_limit_follows_each_requests_record():
+    from jaxserve.engine.speculative import draft_limit, record_verification
+
+    config = SpeculativeConfig.parse(SPEC)  # 4 drafts at most, min_acceptance 0.2
+    req = _request([1, 2, 3])
+    assert draft_limit(req, config) == 2  # p = 0.5: 0.5, 0.25 >= 0.2
+    for _ in range(3):
+        record_verification(req, 2, 2)  # all accepted
+    assert draft_limit(req, config) == 4
+    for _ in range(30):
+        record_verification(req, 4, 0)  # all rejected
+    assert draft_limit(req, config) == 0
+    assert draft_limit(req, SpeculativeConfig.parse({**json.loads(SPEC), "min_acceptance": 0.0})) == 4
+
+
 def test_accepted_length_and_stats():
     assert accepted_length([5, 6, 7], np.array([5, 6, 9, 1])) == 2
     assert accepted_length([5, 6], np.array([4, 6, 1])) == 0
@@ -281,9 +416,35 @@ def test_accepted_length_and_stats():
     assert s.mean_accepted_length == 2.0 and s.acceptance_rate == 0.5
 
 
+def test_drafts_that_would_mostly_pad_the_next_bucket_are_trimmed():
+    from jaxserve.cache.page_pool import PagePool
+    from jaxserve.engine.buckets import Buckets
+    from jaxserve.engine.scheduler import ScheduledSeq, Scheduler
+
+    sched = Scheduler(PagePool(64, 16), Buckets.create(128, 16, 8, min_tokens=1), max_num_seqs=16,
+                      max_num_batched_tokens=128, history_len=128, fit_drafts_to_bucket=True)
+
+    def seqs(*drafts):
+        return [ScheduledSeq(None, 0, 1 + d, True, drafts=list(range(d))) for d in drafts]
+
+    eight = seqs(*[4] * 8)  # 40 tokens: 24 rows of padding in bucket 64, so back to 32
+    sched._fit_drafts(eight)
+    assert [len(s.drafts) for s in eight] == [3] * 8 and all(s.num_tokens == 4 for s in eight)
+    uneven = seqs(4, 4, 1, 0, 4, 4, 4, 4, 4, 4)  # 39 tokens: the longest drafts lose their ends
+    sched._fit_drafts(uneven)
+    assert sum(s.num_tokens for s in uneven) == 32 and max(len(s.drafts) for s in uneven) == 3
+    kept = seqs(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4)  # 60 tokens: 4 rows of padding in 64, kept
+    sched._fit_drafts(kept)
+    assert sum(s.num_tokens for s in kept) == 60
+    small = seqs(4)  # 5 tokens: below 16 rows a draft is worth its padding
+    sched._fit_drafts(small)
+    assert small[0].drafts == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("bad, message", [
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "eagle3", "num_speculative_tokens": 3}', "not supported yet"),
+    ('{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 2}', "min_token_prob"),
     ('{"method": "nope", "num_speculative_tokens": 3}', "unknown method"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown field"),

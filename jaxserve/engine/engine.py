@@ -192,7 +192,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
                 num_penalty_slots=runner.num_penalty_slots, prefix_cache=prefix_cache,
                 policy=config.scheduling_policy, static=config.scheduler == "static",
-                speculative=self.speculative,
+                speculative=self.speculative, fit_drafts_to_bucket=mesh.devices.flat[0].platform == "cpu",
             )
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
         del params

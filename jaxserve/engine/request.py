@@ -63,10 +63,10 @@ class Request:
     # Structured output: the request's grammar matcher (jaxserve/engine/structured.Constraint), or
     # None. A constrained request is planned only with no token pending (its mask needs them all).
     constraint: object | None = field(default=None, repr=False)
-    # Speculative decoding: draft tokens proposed and accepted so far, and the scheduler step
-    # before which this request proposes no more (drafts that keep failing back off).
-    spec_proposed: int = 0
-    spec_accepted: int = 0
+    # Speculative decoding: accepted drafts and verifications that ended in a rejection (decayed
+    # counts: speculative.draft_limit), and the scheduler step before which it proposes none.
+    spec_accepted: float = 0.0
+    spec_rejected: float = 0.0
     spec_paused_until: int = 0
 
     def __post_init__(self) -> None:

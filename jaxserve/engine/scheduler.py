@@ -31,7 +31,8 @@ from jaxserve.cache.page_pool import OutOfPagesError, PagePool
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampler import MAX_BANNED, empty_sampling_arrays
-from jaxserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, accepted_length, make_proposer
+from jaxserve.engine.speculative import (SpecDecodeStats, SpeculativeConfig, accepted_length, draft_limit,
+                                         make_proposer, record_verification)
 from jaxserve.engine.structured import fill_masks
 
 _INT32_MAX = 2**31 - 1
@@ -97,6 +98,7 @@ class Scheduler:
         policy: str = "fcfs",
         static: bool = False,
         speculative: SpeculativeConfig | None = None,
+        fit_drafts_to_bucket: bool = False,
     ):
         self.pool = pool
         self.buckets = buckets
@@ -122,6 +124,9 @@ class Scheduler:
         self.proposer = make_proposer(speculative) if speculative is not None else None
         self.spec_stats = SpecDecodeStats()
         self.num_steps = 0
+        # On CPU a padding row costs what a real one does: drafts that would spill a step into the
+        # next token bucket, mostly padding, are trimmed back to the bucket below.
+        self.fit_drafts_to_bucket = fit_drafts_to_bucket
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -251,6 +256,8 @@ class Scheduler:
             if speculate and n == 1:
                 drafts = self._propose(req, min(budget - 1, self.max_num_seqs - len(self.running) - num_drafts))
             sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
+            if drafts and not self._grow(req, req.num_computed_tokens + n + len(drafts)):
+                drafts = []  # drafts never preempt anyone
             n += len(drafts)
             while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
@@ -308,6 +315,8 @@ class Scheduler:
                         f"request {self.waiting[0].request_id} needs more KV pages than the pool holds"
                     )
             return None
+        if num_drafts and self.fit_drafts_to_bucket:
+            self._fit_drafts(scheduled)
         # Decodes first, then prefill chunks (the ragged kernels expect that order).
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return self._build_plan(scheduled, preempted)
@@ -320,20 +329,42 @@ class Scheduler:
                 or self.num_steps < req.spec_paused_until
                 or (req.params.uses_penalties and req.penalty_slot is None)):
             return []
+        worth = draft_limit(req, self.speculative)
+        if worth == 0:
+            # Its drafts keep failing: pause, then judge afresh (the text may turn repetitive later,
+            # as an edit's copied part does).
+            req.spec_paused_until = self.num_steps + self.speculative.backoff_steps
+            req.spec_accepted = req.spec_rejected = 0.0
+            return []
         # The drafts and the token after them must fit max_tokens (and so the context).
-        limit = min(limit, self.speculative.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
+        limit = min(limit, worth, req.max_tokens - len(req.output_token_ids) - 1)
         return self.proposer.propose(req, limit) if limit > 0 else []
+
+    def _fit_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+        """Trim drafts, last positions first (the least likely accepted), so that the step fills
+        the largest token bucket it reaches instead of padding the next one, when more than half
+        of the rows the drafts would add there are padding. Only from 16 rows up: below that the
+        weight read dominates a CPU step (a 1-row decode of the default model ~44 ms, each more
+        row ~2 ms: scripts/bench_small_batch.py), and a draft is worth more than its padding."""
+        total = sum(s.num_tokens for s in scheduled)
+        buckets = self.buckets.token_buckets
+        lower = [t for t in buckets if t <= total]
+        upper = next((t for t in buckets if t >= total), total)
+        if not lower or lower[-1] < 16 or upper == total or upper - total <= total - lower[-1]:
+            return
+        excess = total - lower[-1]
+        with_drafts = [s for s in scheduled if s.drafts]
+        while excess > 0 and with_drafts:
+            s = max(with_drafts, key=lambda x: len(x.drafts))
+            s.drafts.pop()
+            s.num_tokens -= 1
+            excess -= 1
+            if not s.drafts:
+                with_drafts.remove(s)
 
     def _record_verification(self, req: Request, proposed: int, accepted: int) -> None:
         self.spec_stats.record(proposed, accepted)
-        req.spec_proposed += proposed
-        req.spec_accepted += accepted
-        config = self.speculative
-        if req.spec_proposed >= config.min_proposals and req.spec_accepted < config.min_acceptance * req.spec_proposed:
-            # Mostly rejected: each draft costs a sampler row and a step token for nothing. Pause,
-            # then judge afresh (the text may become repetitive later, e.g. an edit's copied part).
-            req.spec_paused_until = self.num_steps + config.backoff_steps
-            req.spec_proposed = req.spec_accepted = 0
+        record_verification(req, proposed, accepted)
 
     def _shareable_tokens(self, req: Request) -> int:
         """Prompt tokens a sibling can take over: whole pages, short of the last prompt token

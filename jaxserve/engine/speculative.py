@@ -23,25 +23,37 @@ from typing import Any, Protocol
 
 from jaxserve.engine.request import Request
 
-METHODS = ("ngram",)
+import math
+from collections import Counter, deque
+
+METHODS = ("ngram", "suffix")
 # vLLM's methods that need a second model or trained heads: named so that the error says so.
-_NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+_NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config JSON: {"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}. `disable_by_batch_size`: no drafts while more
-    sequences than this run (vLLM's name). A request whose drafts are mostly rejected stops
-    proposing for `backoff_steps` steps once it has proposed `min_proposals` tokens."""
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}, or {"method": "suffix", ...} with vLLM's
+    suffix_decoding_* fields. `disable_by_batch_size`: no drafts while more sequences than this
+    run (vLLM's name). Each request drafts only as far as its own record says a draft is likely
+    accepted: position j while p**j >= `min_acceptance`, p its estimated chance that a draft is
+    accepted once the ones before it were; with none worth proposing it pauses `backoff_steps`
+    steps, then starts afresh."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    # Suffix decoding: the longest context matched (tokens), finished requests whose outputs are
+    # kept for other requests' drafts, drafts at most this factor times the matched length, and
+    # the lowest estimated probability (product along the draft) worth proposing.
+    suffix_decoding_max_tree_depth: int = 16
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     min_acceptance: float = 0.2
-    min_proposals: int = 16
     backoff_steps: int = 32
 
     @classmethod
@@ -83,8 +95,15 @@ class SpeculativeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
 
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "min_proposals"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "suffix_decoding_max_tree_depth"):
             positive_int(name)
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("speculative_config: suffix_decoding_max_cached_requests must be >= 0")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be > 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1]")
         if self.backoff_steps < 0:
             raise ValueError("speculative_config: backoff_steps must be >= 0")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -154,9 +173,109 @@ class NgramProposer:
         self._index.pop(req.request_id, None)
 
 
+class _ContextCounts:
+    """Next-token counts after every context of 1..depth tokens of some token sequences: the
+    frequencies a suffix tree over them would hold, kept as one table per context length."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.table: dict[tuple[int, ...], Counter] = {}
+
+    def update(self, tokens: list[int], start: int, sign: int = 1) -> None:
+        """Count (or, sign -1, forget) the next token after each context ending at positions
+        start..len-1 (each position's token follows its preceding contexts)."""
+        for pos in range(max(start, 1), len(tokens)):
+            nxt = tokens[pos]
+            for n in range(1, min(self.depth, pos) + 1):
+                key = tuple(tokens[pos - n: pos])
+                counts = self.table.get(key)
+                if counts is None:
+                    if sign < 0:
+                        break
+                    counts = self.table[key] = Counter()
+                counts[nxt] += sign
+                if counts[nxt] <= 0:
+                    del counts[nxt]
+                    if not counts:
+                        del self.table[key]
+
+
+class SuffixProposer:
+    """Suffix decoding (the idea of Arctic's SuffixDecoding, on bounded-depth context tables
+    rather than suffix trees): the next-token frequencies after the sequence's longest matched
+    context, from its own prompt and output and from the outputs of recent finished requests
+    (agents repeat themselves across requests). A draft follows the most frequent continuation
+    while the product of the estimated probabilities stays >= min_token_prob, and is at most
+    max_spec_factor times the matched context length."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.max_cached = config.suffix_decoding_max_cached_requests
+        self.spec_factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.shared = _ContextCounts(self.depth)  # outputs of finished requests
+        self._cached: deque[list[int]] = deque()
+        self._own: dict[str, tuple[_ContextCounts, list[int]]] = {}  # request -> its counts, tokens
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        if limit <= 0:
+            return []
+        own = self._own.get(req.request_id)
+        if own is None:
+            own = self._own[req.request_id] = (_ContextCounts(self.depth), [])
+        counts, tokens = own
+        indexed = len(tokens)
+        tokens += req.token_slice(indexed, req.num_tokens)  # a copy of its tokens, grown by the new ones
+        counts.update(tokens, indexed)
+        context = tokens[-self.depth:]
+        drafts: list[int] = []
+        prob = 1.0
+        matched = 0
+        while len(drafts) < limit:
+            best, n = self._continuation(counts, context)
+            if best is None:
+                break
+            if not drafts:
+                matched = n
+                limit = min(limit, max(1, math.floor(self.spec_factor * matched)))
+            token, p = best
+            prob *= p
+            if prob < self.min_prob:
+                break
+            drafts.append(token)
+            context = (context + [token])[-self.depth:]
+        return drafts
+
+    def _continuation(self, own: _ContextCounts, context: list[int]) -> tuple[tuple[int, float] | None, int]:
+        """((most frequent next token, its share), context length) for the longest context of
+        `context` seen in the request's own tokens or in the shared outputs."""
+        for n in range(min(self.depth, len(context)), 0, -1):
+            key = tuple(context[-n:])
+            a, b = own.table.get(key), self.shared.table.get(key)
+            if a is None and b is None:
+                continue
+            merged = (a or Counter()) + (b or Counter())
+            token, count = max(merged.items(), key=lambda kv: (kv[1], -kv[0]))
+            return (token, count / sum(merged.values())), n
+        return None, 0
+
+    def release(self, req: Request) -> None:
+        """A finished request: its output joins the shared counts (the oldest leave past the cap)."""
+        self._own.pop(req.request_id, None)
+        output = list(req.output_token_ids)
+        if self.max_cached == 0 or len(output) < 2:
+            return
+        self.shared.update(output, 1)
+        self._cached.append(output)
+        while len(self._cached) > self.max_cached:
+            self.shared.update(self._cached.popleft(), 1, sign=-1)
+
+
 def make_proposer(config: SpeculativeConfig) -> DraftProposer:
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "suffix":
+        return SuffixProposer(config)
     raise ValueError(f"no proposer for method {config.method!r}")
 
 
@@ -194,6 +313,29 @@ class SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
                                self.num_accepted_tokens + other.num_accepted_tokens,
                                [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))])
+
+
+# Each verification's counts weigh this much less than the next one's: a request's text changes
+# (an edit copies, then writes something new), so its recent drafts say more.
+_DECAY = 0.9
+
+
+def draft_limit(req: Request, config: SpeculativeConfig) -> int:
+    """How many drafts are worth proposing for this request now: position j while p**j >=
+    min_acceptance, where p = (accepted + 1) / (accepted + rejections + 2) from its decayed record
+    (a draft is accepted given the ones before it were: 0.5 for a new request, so 2 drafts at
+    the default threshold)."""
+    p = (req.spec_accepted + 1.0) / (req.spec_accepted + req.spec_rejected + 2.0)
+    limit, reach = 0, p
+    while limit < config.num_speculative_tokens and reach >= config.min_acceptance:
+        limit += 1
+        reach *= p
+    return limit
+
+
+def record_verification(req: Request, proposed: int, accepted: int) -> None:
+    req.spec_accepted = _DECAY * req.spec_accepted + accepted
+    req.spec_rejected = _DECAY * req.spec_rejected + (1 if accepted < proposed else 0)
 
 
 def accepted_length(drafts: list[int], sampled: Any) -> int:
