@@ -18,13 +18,12 @@ full load speculation stops by itself, with no new compiled shapes.
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jaxserve.engine.request import Request
-
-import math
-from collections import Counter, deque
 
 METHODS = ("ngram", "suffix")
 # vLLM's methods that need a second model or trained heads: named so that the error says so.
