@@ -110,6 +110,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrained decoding (vLLM's name): a StructuredOutputsParams, or a dict of its fields.
     structured_outputs: StructuredOutputsParams | None = None
+    # Speculative decoding, per request (a jaxserve extension): at most this many draft tokens a
+    # step (0: none); None: as the server's --speculative-config says. Never more than it allows.
+    num_speculative_tokens: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -176,6 +179,7 @@ class SamplingParams:
         integer("prompt_logprobs", allow_none=True)
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        integer("num_speculative_tokens", allow_none=True, lo=0)
         integer("n")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be in [1, {MAX_N}]")

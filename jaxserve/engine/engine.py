@@ -21,6 +21,7 @@ from jaxserve.cache.page_pool import PagePool
 from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.draft_model import DraftModelProposer
 from jaxserve.engine.request import Request
 from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler
@@ -120,6 +121,7 @@ class Replica:
     prefix_cache: Any
     scheduler: Scheduler
     runner: ModelRunner
+    drafter: DraftModelProposer | None = None  # speculative method "draft_model": its own model and pool
     num_requests: int = 0  # routed here since start-up
 
     @property
@@ -172,13 +174,20 @@ class LLMEngine:
         self.replicas: list[Replica] = []
         make_event_recorder = self._kv_event_recorders(config)
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        draft = None
         if self.speculative is not None:
             log.info("speculative decoding: %s, up to %d draft tokens a sequence", self.speculative.method,
                      self.speculative.num_speculative_tokens)
+            if self.speculative.method == "draft_model":
+                draft = self._load_draft_model(cfg, tp, config.dtype)
+
+        def place(model_cfg: Any, served: Any, weights: Any, mesh: Any) -> LlamaForCausalLM:
+            arrays = parallel.shard_params(weights, mesh, dtype)  # each device gets only its slices
+            inv_freq = jax.device_put(rope_inv_freq(model_cfg), parallel.replicated(mesh))
+            return LlamaForCausalLM.from_arrays(served, arrays, dtype, inv_freq)
+
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
-            arrays = parallel.shard_params(params, mesh, dtype)  # each device gets only its slices
-            inv_freq = jax.device_put(rope_inv_freq(cfg), parallel.replicated(mesh))
-            model = LlamaForCausalLM.from_arrays(served_cfg, arrays, dtype, inv_freq)
+            model = place(cfg, served_cfg, params, mesh)
             pool = PagePool(num_pages, page_size)
             prefix_cache = None
             if config.enable_prefix_caching:
@@ -187,15 +196,23 @@ class LLMEngine:
                 prefix_cache = RadixCache(pool, make_event_recorder(index) if make_event_recorder else None)
             runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
                                  config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs)
+            drafter = None
+            if draft is not None:
+                # The draft model on the replica's devices, with a pool of as many pages as the target's.
+                draft_runner = ModelRunner(place(*draft, mesh), num_pages, page_size, self.buckets, self.max_model_len,
+                                           config.attention_backend, mesh=mesh, num_penalty_slots=1)
+                drafter = DraftModelProposer(draft_runner, PagePool(num_pages, page_size), self.buckets,
+                                             config.max_num_batched_tokens, self.max_model_len)
             scheduler = Scheduler(
                 pool, self.buckets, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, history_len=self.max_model_len,
                 num_penalty_slots=runner.num_penalty_slots, prefix_cache=prefix_cache,
                 policy=config.scheduling_policy, static=config.scheduler == "static",
-                speculative=self.speculative, fit_drafts_to_bucket=mesh.devices.flat[0].platform == "cpu",
+                speculative=self.speculative, proposer=drafter,
+                fit_drafts_to_bucket=mesh.devices.flat[0].platform == "cpu",
             )
-            self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner))
-        del params
+            self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner, drafter))
+        del params, draft
         # The replicas' KV-event recorders (empty when events are off: the per-step flush is then free).
         self._kv_recorders = [r.prefix_cache.events for r in self.replicas
                               if r.prefix_cache is not None and r.prefix_cache.events is not None]
@@ -213,10 +230,14 @@ class LLMEngine:
         if self.multihost:
             from jaxserve import distributed
 
+            if draft is not None:  # followers replay the target's steps only
+                raise ValueError("speculative method 'draft_model' does not run on several hosts yet")
             distributed.check_same_setup([r.runner for r in self.replicas], (config.mesh, config.dtype))
         if config.compile_ahead:
             for replica in self.replicas:
                 replica.runner.warmup(show_progress)
+                if replica.drafter is not None:
+                    replica.drafter.runner.warmup(show_progress)
             if self.multihost:
                 distributed.warm_up([r.runner for r in self.replicas])
             for replica in self.replicas:  # the guard counts from the end of the whole warm-up
@@ -241,6 +262,22 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         # Structured output: grammars compiled against our tokenizer (llguidance's, built on first use).
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+
+    def _load_draft_model(self, target_cfg: Any, tp: int, dtype: str) -> tuple[Any, Any, Any]:
+        """(config, served config, weights) of the draft checkpoint, its heads laid out for the
+        replica's tensor parallelism as the target's are."""
+        from jaxserve import parallel
+        from jaxserve.loading import load_weights
+
+        path = self.speculative.model
+        cfg, params = load_weights(path, dtype)
+        if cfg.vocab_size != target_cfg.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {path} has a vocabulary of {cfg.vocab_size} "
+                             f"tokens, the target {target_cfg.vocab_size}: they must share the tokenizer")
+        parallel.check_splittable(cfg, tp)
+        served, params = parallel.apply_head_layout(cfg, params, parallel.head_layout(cfg, tp))
+        log.info("draft model %s (%s, %d layers)", path, cfg.architecture, cfg.num_layers)
+        return cfg, served, params
 
     @staticmethod
     def _kv_event_recorders(config: EngineConfig) -> Any:
@@ -358,6 +395,9 @@ class LLMEngine:
         if self.multihost and self.broadcaster is None:
             # Followers released (or this is one): a step now would wait for them forever.
             raise RuntimeError("multi-host: this process does not drive the followers (stopped, or not process 0)")
+        for replica in self.replicas:
+            if replica.drafter is not None:  # the draft model's steps, before the target's is planned
+                replica.drafter.prepare(replica.scheduler.draft_candidates())
         plans = [replica.scheduler.schedule() for replica in self.replicas]
         failed = [self._failed_output(req) for replica in self.replicas for req in replica.scheduler.take_failed()]
         if all(plan is None for plan in plans) and not self._in_flight:
@@ -525,6 +565,8 @@ class LLMEngine:
                 external = r.prefix_cache.external_refs()
             r.pool.check_invariants(external)
             r.scheduler.check_invariants()
+            if r.drafter is not None:
+                r.drafter.check_invariants()
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:

@@ -31,12 +31,39 @@ from jaxserve.cache.page_pool import OutOfPagesError, PagePool
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampler import MAX_BANNED, empty_sampling_arrays
-from jaxserve.engine.speculative import (SpecDecodeStats, SpeculativeConfig, accepted_length, draft_limit,
-                                         make_proposer, record_verification)
+from jaxserve.engine.speculative import (DraftProposer, SpecDecodeStats, SpeculativeConfig, accepted_length,
+                                         draft_limit, make_proposer, record_verification)
 from jaxserve.engine.structured import fill_masks
 
 _INT32_MAX = 2**31 - 1
 _WAIT = object()  # _group_source: a sibling is computing the prompt; wait for it
+
+
+def ragged_layout(starts: np.ndarray, lens: np.ndarray, page_rows: list, bucket: tuple[int, int, int],
+                  page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The attention arrays of a ragged step whose sequence i computes lens[i] tokens from
+    position starts[i], its KV pages listed by page_rows[i] (at least P wide, or exactly its
+    pages): (positions [T], slot mapping [T], kv_lens [S], page tables [S, P], cu_q_lens [S + 1]),
+    padded to the bucket (T, S, P), by whole-array numpy operations."""
+    T, S, P = bucket
+    n = len(lens)
+    num_tokens = int(lens.sum())
+    cu = np.zeros(S + 1, np.int32)
+    np.cumsum(lens, out=cu[1: n + 1])
+    cu[n + 1:] = num_tokens
+    row_seq = np.repeat(np.arange(n, dtype=np.int32), lens)  # flat row -> its sequence
+    pos = starts[row_seq] + np.arange(num_tokens, dtype=np.int32) - cu[row_seq]
+    positions = np.zeros(T, np.int32)
+    positions[:num_tokens] = pos
+    tables = np.full((S, P), NULL_PAGE, np.int32)
+    for i, row in enumerate(page_rows):
+        width = min(len(row), P)
+        tables[i, :width] = row[:width]
+    slots = np.full(T, NULL_PAGE * page_size, np.int32)  # padding writes into the null page
+    slots[:num_tokens] = tables[row_seq, pos // page_size] * page_size + pos % page_size
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:n] = starts + lens
+    return positions, slots, kv_lens, tables, cu
 
 
 @dataclass
@@ -98,6 +125,7 @@ class Scheduler:
         policy: str = "fcfs",
         static: bool = False,
         speculative: SpeculativeConfig | None = None,
+        proposer: DraftProposer | None = None,
         fit_drafts_to_bucket: bool = False,
     ):
         self.pool = pool
@@ -121,7 +149,8 @@ class Scheduler:
         self._free_penalty_slots = list(range(self.num_penalty_slots - 1, -1, -1))
         # Speculative decoding: the draft source, and what verification accepted so far.
         self.speculative = speculative
-        self.proposer = make_proposer(speculative) if speculative is not None else None
+        # (A draft model's proposer is built by the engine, which owns the devices.)
+        self.proposer = proposer or (make_proposer(speculative) if speculative is not None else None)
         self.spec_stats = SpecDecodeStats()
         self.num_steps = 0
         # On CPU a padding row costs what a real one does: drafts that would spill a step into the
@@ -239,8 +268,7 @@ class Scheduler:
         # Draft tokens take sampler rows: a step samples at most max_num_seqs rows (one per
         # sequence, plus one per draft), so drafts use only the room fewer sequences leave.
         num_drafts = 0
-        speculate = self.proposer is not None and (self.speculative.disable_by_batch_size is None
-                                                   or len(self.running) <= self.speculative.disable_by_batch_size)
+        speculate = self._speculating()
 
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -321,23 +349,42 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return self._build_plan(scheduled, preempted)
 
-    def _propose(self, req: Request, limit: int) -> list[int]:
-        """Draft tokens for a decoding request, at most `limit`: none while its drafts back off, for
-        structured output (its masks follow the grammar token by token), or for a request with
-        penalties whose state is not on the device yet (drafts would be counted before it is built)."""
-        if (limit <= 0 or req.num_pending or req.constraint is not None or not req.output_token_ids
+    def _speculating(self) -> bool:
+        return self.proposer is not None and (self.speculative.disable_by_batch_size is None
+                                              or len(self.running) <= self.speculative.disable_by_batch_size)
+
+    def _drafts_worth(self, req: Request) -> int:
+        """How many drafts a running request may get now: at most its own num_speculative_tokens;
+        none while it prefills or has a token pending, while its drafts back off, for structured output (its masks follow the grammar
+        token by token), or with penalties whose state is not on the device yet (drafts would be
+        counted before it is built). The drafts and the token after them must fit max_tokens."""
+        cap = req.params.num_speculative_tokens
+        if (cap == 0 or req.num_pending or req.constraint is not None or not req.output_token_ids
+                or req.num_computed_tokens != req.num_tokens - 1
                 or self.num_steps < req.spec_paused_until
                 or (req.params.uses_penalties and req.penalty_slot is None)):
-            return []
+            return 0
         worth = draft_limit(req, self.speculative)
         if worth == 0:
             # Its drafts keep failing: pause, then judge afresh (the text may turn repetitive later,
             # as an edit's copied part does).
             req.spec_paused_until = self.num_steps + self.speculative.backoff_steps
             req.spec_accepted = req.spec_rejected = 0.0
+            return 0
+        if cap is not None:
+            worth = min(worth, cap)
+        return max(0, min(worth, req.max_tokens - len(req.output_token_ids) - 1))
+
+    def draft_candidates(self) -> list[tuple[Request, int]]:
+        """(request, most drafts) of the running requests that may get drafts next step, for a
+        proposer that drafts them all at once before the step is scheduled (a draft model)."""
+        if not self._speculating() or len(self.running) >= self.max_num_seqs:
             return []
-        # The drafts and the token after them must fit max_tokens (and so the context).
-        limit = min(limit, worth, req.max_tokens - len(req.output_token_ids) - 1)
+        return [(req, n) for req in self.running if (n := self._drafts_worth(req)) > 0]
+
+    def _propose(self, req: Request, limit: int) -> list[int]:
+        """Draft tokens for a decoding request, at most `limit` (the step's spare sampler rows)."""
+        limit = min(limit, self._drafts_worth(req)) if limit > 0 else 0
         return self.proposer.propose(req, limit) if limit > 0 else []
 
     def _fit_drafts(self, scheduled: list[ScheduledSeq]) -> None:
@@ -466,19 +513,8 @@ class Scheduler:
         n = len(scheduled)
         starts = np.fromiter((s.start for s in scheduled), np.int32, n)
         lens = np.fromiter((s.num_tokens for s in scheduled), np.int32, n)
-        cu = np.zeros(S + 1, np.int32)
-        np.cumsum(lens, out=cu[1: n + 1])
-        cu[n + 1:] = num_tokens
-        row_seq = np.repeat(np.arange(n, dtype=np.int32), lens)  # flat row -> its sequence
-        pos = starts[row_seq] + np.arange(num_tokens, dtype=np.int32) - cu[row_seq]
-        positions = np.zeros(T, np.int32)
-        positions[:num_tokens] = pos
-        tables = np.full((S, P), NULL_PAGE, np.int32)
-        tables[:n] = np.stack([self._page_row(s.request) for s in scheduled])[:, :P]
-        slots = np.full(T, NULL_PAGE * page_size, np.int32)  # padding writes into the null page
-        slots[:num_tokens] = tables[row_seq, pos // page_size] * page_size + pos % page_size
-        kv_lens = np.zeros(S, np.int32)
-        kv_lens[:n] = starts + lens
+        positions, slots, kv_lens, tables, cu = ragged_layout(
+            starts, lens, [self._page_row(s.request) for s in scheduled], (T, S, P), page_size)
         logits_idx = np.zeros(S, np.int32)
         last_rows = np.fromiter((s.row + len(s.drafts) for s in scheduled), np.int32, n)
         logits_idx[last_rows] = cu[1: n + 1] - 1

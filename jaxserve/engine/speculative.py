@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 from jaxserve.engine.request import Request
 
-METHODS = ("ngram", "suffix")
-# vLLM's methods that need a second model or trained heads: named so that the error says so.
-_NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+METHODS = ("ngram", "suffix", "draft_model")
+# vLLM's methods that need trained heads: named so that the error says so.
+_NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,16 @@ class SpeculativeConfig:
     """vLLM's --speculative-config JSON: {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}, or {"method": "suffix", ...} with vLLM's
     suffix_decoding_* fields. `disable_by_batch_size`: no drafts while more sequences than this
-    run (vLLM's name). Each request drafts only as far as its own record says a draft is likely
+    run (vLLM's name). {"method": "draft_model", "model": PATH, ...}: drafts from a smaller
+    checkpoint with the target's vocabulary (jaxserve/engine/draft_model.py).
+    Each request drafts only as far as its own record says a draft is likely
     accepted: position j while p**j >= `min_acceptance`, p its estimated chance that a draft is
     accepted once the ones before it were; with none worth proposing it pauses `backoff_steps`
     steps, then starts afresh."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model's checkpoint (method "draft_model")
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
@@ -103,6 +106,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be > 0")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ValueError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1]")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: 'model' (the draft checkpoint) is required by method "
+                             "'draft_model', and taken by no other method")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config: model must be a checkpoint path, got {self.model!r}")
         if self.backoff_steps < 0:
             raise ValueError("speculative_config: backoff_steps must be >= 0")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -275,6 +283,7 @@ def make_proposer(config: SpeculativeConfig) -> DraftProposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
+    # (draft_model: the engine builds it, with the draft model on the target's devices.)
     raise ValueError(f"no proposer for method {config.method!r}")
 
 

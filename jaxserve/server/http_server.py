@@ -32,7 +32,8 @@ access_log = logging.getLogger("jaxserve.access")
 
 # OpenAI name -> SamplingParams name, plus vLLM's extra sampling fields.
 _FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-           "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "n")
+           "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
+           "num_speculative_tokens")
 # Accepted by OpenAI but not implemented here: refused by name rather than silently ignored. Each
 # maps to the values that mean "not used" (and so are fine to send).
 _UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
