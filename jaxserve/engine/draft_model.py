@@ -18,7 +18,6 @@ draw at its position equals it) keeps the target's distribution whatever the dra
 
 from __future__ import annotations
 
-import logging
 import numpy as np
 
 from jaxserve.cache.page_pool import OutOfPagesError, PagePool
@@ -27,9 +26,6 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampler import empty_sampling_arrays
 from jaxserve.engine.scheduler import StepPlan, ragged_layout
-
-log = logging.getLogger(__name__)
-
 
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner, pool: PagePool, buckets: Buckets, max_num_batched_tokens: int,
