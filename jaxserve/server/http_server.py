@@ -26,6 +26,7 @@ from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, N
                                     check_for_model, check_sequences, check_text_size, make_sampling_params,
                                     max_token_chars, stream_outputs)
 from jaxserve.server.metrics import Metrics
+from jaxserve.sampling_params import MAX_LOGIT_BIAS
 from jaxserve.server.structured_fields import structured_outputs_from_body
 
 access_log = logging.getLogger("jaxserve.access")
@@ -35,7 +36,7 @@ _FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
            "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "n")
 # Accepted by OpenAI but not implemented here: refused by name rather than silently ignored. Each
 # maps to the values that mean "not used" (and so are fine to send).
-_UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
+_UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
                 "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "user": (None,),
                 "functions": (None, []), "function_call": (None, "none")}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -233,6 +234,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 values["max_tokens"] = 16  # OpenAI's completions default
         if "stop" in body and body["stop"] is not None and not isinstance(body["stop"], (str, list)):
             raise InvalidRequest(f"stop must be a string or a list of strings, got {body['stop']!r}", "stop")
+        values["logit_bias"] = logit_bias_of(body)
         params = make_sampling_params(values)
         params.structured_outputs, _ = structured_outputs_from_body(body)  # (validated there)
         if chat and values["max_tokens"] is None:
@@ -669,6 +671,32 @@ def echo_choice(comp: Completion, prompt_ids: list[int], prompt_text: str | None
                          for e in entries],
         "text_offset": offsets,
     }
+    return out
+
+
+def logit_bias_of(body: dict[str, Any]) -> dict[int, Any] | None:
+    """OpenAI's logit_bias, {"token id as a string": bias}, as SamplingParams' {int: bias} (which
+    checks the values and the count; the engine checks ids against the vocabulary)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias must be an object mapping token ids to numbers, got "
+                             f"{type(bias).__name__}", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:  # before parsing keys: the count alone refuses it
+        raise InvalidRequest(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    out: dict[int, Any] = {}
+    for key, value in bias.items():
+        text = key.strip()
+        # int() alone would take "1_000" and "+5"; token ids are plain digits (OpenAI's rule too).
+        if not text.isascii() or not text.isdigit() or len(text) > 10:
+            shown = key if len(key) <= 40 else key[:37] + "..."
+            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers as strings), "
+                                 f"got {shown!r}", "logit_bias")
+        tok = int(text)
+        if tok in out:
+            raise InvalidRequest(f"logit_bias names token {tok} twice", "logit_bias")
+        out[tok] = value
     return out
 
 
