@@ -374,7 +374,7 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(srv):
     assert_idle_and_consistent(srv)
 
 
-@pytest.mark.parametrize("field, value", [("suffix", "x"), ("best_of", 2), ("logit_bias", {"5": 1}),
+@pytest.mark.parametrize("field, value", [("suffix", "x"), ("best_of", 2),  # (logit_bias: test_logit_bias.py)
                                           ("response_format", {"type": "yaml"}),  # (json_object and json_schema: issue 19)
                                           ("tools", [{"type": "function"}]),
                                           ("tool_choice", "auto"), ("parallel_tool_calls", True), ("user", "me"),
