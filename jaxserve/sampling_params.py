@@ -16,6 +16,10 @@ FLOAT32_MAX = 3.4e38
 MAX_STOP = 64  # stop strings per request (each matched against the text after every token)
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: OpenAI's range of a bias; entries per request bounded because every sampler row of a
+# step that carries a bias sends this many (id, value) pairs to the device (engine/sampler.py).
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
 
 
 MAX_CHOICES = 1024  # structured output: strings in a `choice` list
@@ -113,6 +117,10 @@ class SamplingParams:
     # Speculative decoding, per request (a jaxserve extension): at most this many draft tokens a
     # step (0: none); None: as the server's --speculative-config says. Never more than it allows.
     num_speculative_tokens: int | None = None
+    # Token id -> bias added to its logit before penalties, temperature and truncation (vLLM's and
+    # OpenAI's name); values in [-100, 100]. Ids are checked against the vocabulary when the
+    # request is added (the engine knows the model).
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -201,6 +209,7 @@ class SamplingParams:
         self.stop_token_ids = ids
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -209,3 +218,33 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check_logit_bias(bias: Any) -> dict[int, float] | None:
+    """A {token id: bias} dict of ints to finite floats in [-100, 100], at most MAX_LOGIT_BIAS
+    entries; None (or an empty dict) means no bias."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token ids to numbers, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    def shown(x: Any) -> str:
+        r = repr(x)
+        return r if len(r) <= 40 else r[:37] + "..."
+
+    out: dict[int, float] = {}
+    for tok, value in bias.items():
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok <= INT32_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (integers in [0, {INT32_MAX}]), got {shown(tok)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias values must be numbers, got {shown(value)} for token {tok}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not -LOGIT_BIAS_RANGE <= number <= LOGIT_BIAS_RANGE:  # (NaN fails both comparisons)
+            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                             f"got {shown(value)} for token {tok}")
+        out[tok] = number
+    return out or None

@@ -144,8 +144,8 @@ def launch_floor(llm, seqs: int, max_tokens: int, repeats: int = 50) -> dict:
     history = runner._empty_history(plan.bucket[1])
 
     def sampler_only():
-        out, ids, runner.penalty_state = sample_fn(logits, samp_buf, history, prev, runner._no_mask(plan.bucket[1]),
-                                                   runner.penalty_state)
+        out, ids, runner.penalty_state = sample_fn(logits, samp_buf, history, runner._no_logit_bias(plan.bucket[1]),
+                                                   prev, runner._no_mask(plan.bucket[1]), runner.penalty_state)
         return out
 
     result["sampler_ms"] = per_call(sampler_only)

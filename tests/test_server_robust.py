@@ -374,10 +374,11 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(srv):
     assert_idle_and_consistent(srv)
 
 
-@pytest.mark.parametrize("field, value", [("suffix", "x"), ("best_of", 2), ("logit_bias", {"5": 1}),
+# (logit_bias, user and best_of on completions are honoured now: test_logit_bias.py, test_openai_fields.py)
+@pytest.mark.parametrize("field, value", [("suffix", "x"),
                                           ("response_format", {"type": "yaml"}),  # (json_object and json_schema: issue 19)
                                           ("tools", [{"type": "function"}]),
-                                          ("tool_choice", "auto"), ("parallel_tool_calls", True), ("user", "me"),
+                                          ("tool_choice", "auto"), ("parallel_tool_calls", True),
                                           ("stream_options", {"continuous_usage_stats": "yes"})])
 def test_ignored_fields_are_refused_by_name(srv, field, value):
     for path, base in (("/v1/completions", {"prompt": "hi"}),

@@ -133,7 +133,7 @@ class DraftModelProposer:
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:n] = cu[1: n + 1] - 1
         # Neutral sampling values: temperature 0, greedy.
-        samp = empty_sampling_arrays(S, self.history_len, with_history=False)
+        samp = empty_sampling_arrays(S, self.history_len, with_history=False, with_logit_bias=False)
         plan = StepPlan(seqs=[], num_tokens=num_tokens, tokens=tokens, positions=positions, slot_mapping=slots,
                         kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([n], np.int32),
                         logits_indices=logits_idx, sampling=samp)

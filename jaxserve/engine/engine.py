@@ -87,6 +87,13 @@ class _Tracked:
     cumulative: bool = True
 
 
+def check_logit_bias_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias ids must be tokens of the served model (SamplingParams checked the rest)."""
+    bad = next((t for t in (params.logit_bias or ()) if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad}")
+
+
 def _encode_prompt(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         if not prompt:
@@ -328,6 +335,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = _encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
         text = text if prompt_text is None else prompt_text
+        check_logit_bias_vocab(params, self.model_config.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, the context length is {self.max_model_len}")
         room = self.max_model_len - len(ids)

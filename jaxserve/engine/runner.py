@@ -27,10 +27,10 @@ from jaxserve.attention import (KV_LAYOUT_PAGES, AttentionMetadata, get_attentio
                                 with_pool_layout, write_kv)
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import (SampleOutput, SamplingArrays, empty_penalty_state, empty_sampling_arrays,
-                                     pack_sampling, packed_sampling_size, sample, sample_with_state,
-                                     unpack_sampling)
+                                     no_logit_bias, pack_logit_bias, pack_sampling, packed_sampling_size, sample,
+                                     sample_with_state, unpack_sampling)
 from jaxserve.engine.scheduler import StepPlan
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -181,12 +181,14 @@ class ModelRunner:
         # all -1 (a constant kept on the device) when no row is constrained, and then unused.
         self.mask_words = (cfg.vocab_size + 31) // 32
 
-        def sample_padded(logits, packed, history, prev_ids, token_bitmask, penalty_state):
-            out, penalty_state = sample_with_state(logits, unpack_sampling(packed, logits.shape[0], history),
-                                                   prev_ids, penalty_state, token_bitmask)
+        # logit_bias [S, 2 * MAX_LOGIT_BIAS] (pack_logit_bias): a constant of "no bias" kept on the
+        # device when no row of the step has one, like the mask.
+        def sample_padded(logits, packed, history, logit_bias, prev_ids, token_bitmask, penalty_state):
+            samp = unpack_sampling(packed, logits.shape[0], history, logit_bias)
+            out, penalty_state = sample_with_state(logits, samp, prev_ids, penalty_state, token_bitmask)
             return out, jnp.zeros_like(prev_ids).at[: logits.shape[0]].set(out.token_ids), penalty_state
 
-        self._sample = jax.jit(sample_padded, out_shardings=rep, donate_argnums=(5,))
+        self._sample = jax.jit(sample_padded, out_shardings=rep, donate_argnums=(6,))
         # Penalty state: a slot per running sequence (the scheduler hands them out); [slots, V]
         # of bool and int32, e.g. 16 MB at 64 sequences and SmolLM2's 49,152 tokens.
         self.num_penalty_slots = num_penalty_slots or self.max_seqs
@@ -194,6 +196,7 @@ class ModelRunner:
                                      out_shardings=rep)()
         self._empty_histories: dict[int, jax.Array] = {}
         self._no_masks: dict[int, jax.Array] = {}
+        self._no_logit_biases: dict[int, jax.Array] = {}
         self._no_prev_ids = self._constant(np.zeros(self.max_seqs, np.int32))
         # The last launched step's sampled ids, padded (what a step planned during it reads).
         self.last_sampled_ids: Any = None
@@ -236,8 +239,8 @@ class ModelRunner:
                 state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
                                      self.penalty_state)
                 self._compiled_samplers[S] = self._sample.lower(logits, i32(packed_sampling_size(S)),
-                                                                i32(S, self.history_len), prev_ids,
-                                                                i32(S, self.mask_words), state).compile()
+                                                                i32(S, self.history_len), i32(S, 2 * MAX_LOGIT_BIAS),
+                                                                prev_ids, i32(S, self.mask_words), state).compile()
             self.compile_seconds += time.perf_counter() - t0
         return self._compiled[bucket], self._compiled_samplers[bucket[1]]
 
@@ -267,6 +270,10 @@ class ModelRunner:
         sampling = plan.sampling
         if host_history and sampling["history"] is None:
             sampling = dict(sampling, history=np.full((plan.bucket[1], self.history_len), -1, np.int32))
+        if host_history and sampling["logit_bias_ids"] is None:  # (what a multi-host broadcast sends)
+            empty = empty_sampling_arrays(plan.bucket[1], 1)
+            sampling = dict(sampling, logit_bias_ids=empty["logit_bias_ids"],
+                            logit_bias_values=empty["logit_bias_values"])
         return plan.tokens, md, plan.logits_indices, SamplingArrays(**sampling), targets, token_src
 
     def input_template(self, bucket: tuple[int, int, int]) -> tuple:
@@ -291,10 +298,12 @@ class ModelRunner:
         # Two host-to-device transfers a step (plus the history, when a row's penalty state is built).
         step_buf = pack_step(tokens, md, logits_indices, targets, token_src)
         samp_buf = pack_sampling(samp)
+        bias = pack_logit_bias(samp)
+        bias = self._no_logit_bias(bucket[1]) if bias is None else bias
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
         bitmask = self._no_mask(bucket[1]) if token_bitmask is None else token_bitmask
-        out, self.last_sampled_ids, self.penalty_state = sample_fn(logits, samp_buf, history, prev_ids, bitmask,
-                                                                  self.penalty_state)
+        out, self.last_sampled_ids, self.penalty_state = sample_fn(logits, samp_buf, history, bias, prev_ids,
+                                                                  bitmask, self.penalty_state)
         # Start the copies back now: by the time the host reads them (a step later, with
         # overlap) they are there, instead of one blocking transfer per array at fetch time.
         for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if np.any(samp.want_logprobs) \
@@ -323,6 +332,13 @@ class ModelRunner:
         if num_seqs not in self._no_masks:
             self._no_masks[num_seqs] = self._constant(np.full((num_seqs, self.mask_words), -1, np.int32))
         return self._no_masks[num_seqs]
+
+    def _no_logit_bias(self, num_seqs: int) -> jax.Array:
+        """pack_logit_bias of rows without a bias, on the device once per sequence bucket: steps
+        without a biased row transfer nothing for it."""
+        if num_seqs not in self._no_logit_biases:
+            self._no_logit_biases[num_seqs] = self._constant(no_logit_bias(num_seqs))
+        return self._no_logit_biases[num_seqs]
 
     @property
     def last_prompt_logprobs(self) -> Any:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_BANNED = 32  # ids masked while a request is below min_tokens (EOS + stop ids)
 
@@ -60,6 +60,10 @@ class SamplingArrays:
     # penalty slot; a row's penalties count the drafts before it as output.
     verify: jax.Array  # [S] i32
     row_start: jax.Array  # [S] i32
+    # logit_bias, sparse: up to MAX_LOGIT_BIAS (token id, bias) pairs per row, ids -1 padded. Sent
+    # apart from the packed fields, and only by steps where some row has a bias (see pack_logit_bias).
+    logit_bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] i32
+    logit_bias_values: jax.Array  # [S, MAX_LOGIT_BIAS] f32
 
 
 @jax.tree_util.register_dataclass
@@ -87,9 +91,11 @@ class SampleOutput:
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
 
 
-def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = True) -> dict[str, np.ndarray]:
+def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = True,
+                          with_logit_bias: bool = True) -> dict[str, np.ndarray]:
     """Host-side buffers with neutral values, to be filled row by row. Without `with_history` the
-    [rows, history_len] array is None: no row uses penalties, and the runner supplies it."""
+    [rows, history_len] array is None: no row uses penalties, and the runner supplies it. Likewise
+    the logit-bias pair without `with_logit_bias` (no row has a bias)."""
     return dict(
         temperature=np.zeros(num_rows, np.float32),
         top_k=np.zeros(num_rows, np.int32),
@@ -110,6 +116,8 @@ def empty_sampling_arrays(num_rows: int, history_len: int, with_history: bool = 
         penalty_init=np.zeros(num_rows, np.bool_),
         verify=np.full(num_rows, -1, np.int32),
         row_start=np.arange(num_rows, dtype=np.int32),
+        logit_bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32) if with_logit_bias else None,
+        logit_bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32) if with_logit_bias else None,
     )
 
 
@@ -119,6 +127,7 @@ _PACKED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
                   "frequency_penalty", "seeds", "steps", "prompt_lens", "banned", "want_logprobs",
                   "pending_src", "pending_col", "penalty_slot", "penalty_init", "verify", "row_start")
 _PACKED_DTYPES = {k: v.dtype for k, v in empty_sampling_arrays(1, 1).items()}
+_LOGIT_BIAS_FIELDS = ("logit_bias_ids", "logit_bias_values")
 
 
 def packed_sampling_size(num_rows: int) -> int:
@@ -135,8 +144,27 @@ def pack_sampling(samp: dict[str, np.ndarray] | SamplingArrays) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def unpack_sampling(buf: jax.Array, num_rows: int, history: jax.Array) -> SamplingArrays:
-    """The SamplingArrays of a pack_sampling buffer (on device, inside the sampler's jit)."""
+def pack_logit_bias(samp: dict[str, np.ndarray] | SamplingArrays) -> np.ndarray | None:
+    """The logit-bias pair as one [S, 2 * MAX_LOGIT_BIAS] int32 array (values bit for bit), or
+    None when the plan has none. Kept out of pack_sampling: a step without a biased row (nearly
+    all of them) then sends nothing for it, and the runner passes a constant kept on the device."""
+    get = samp.__getitem__ if isinstance(samp, dict) else lambda k: getattr(samp, k)
+    ids, values = get("logit_bias_ids"), get("logit_bias_values")
+    if ids is None:
+        return None
+    return np.concatenate([np.asarray(ids, np.int32), np.asarray(values, np.float32).view(np.int32)], axis=1)
+
+
+def no_logit_bias(num_rows: int) -> np.ndarray:
+    """pack_logit_bias of rows without a bias."""
+    return np.concatenate([np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
+                           np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)], axis=1)
+
+
+def unpack_sampling(buf: jax.Array, num_rows: int, history: jax.Array,
+                    logit_bias: jax.Array | None = None) -> SamplingArrays:
+    """The SamplingArrays of a pack_sampling buffer (on device, inside the sampler's jit), with
+    `logit_bias` from pack_logit_bias (None: no row has a bias)."""
     fields, off = {}, 0
     for name in _PACKED_FIELDS:
         shape = (num_rows, MAX_BANNED) if name == "banned" else (num_rows,)
@@ -149,7 +177,25 @@ def unpack_sampling(buf: jax.Array, num_rows: int, history: jax.Array) -> Sampli
         elif dtype != np.int32:
             x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
         fields[name] = x
+    if logit_bias is None:
+        logit_bias = jnp.asarray(no_logit_bias(num_rows))
+    fields["logit_bias_ids"] = logit_bias[:, :MAX_LOGIT_BIAS]
+    fields["logit_bias_values"] = jax.lax.bitcast_convert_type(logit_bias[:, MAX_LOGIT_BIAS:], jnp.float32)
     return SamplingArrays(history=history, **fields)
+
+
+def apply_logit_bias(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Each row's biases added to its logits (the first thing done to them, as vLLM does: before
+    penalties, temperature and truncation). A batch without a biased row skips the scatter."""
+    valid = s.logit_bias_ids >= 0
+
+    def add(l):  # -1 padding (and any id past the vocabulary) goes out of range and is dropped
+        rows, vocab = l.shape
+        row_idx = jnp.broadcast_to(jnp.arange(rows)[:, None], valid.shape)
+        return l.at[row_idx, jnp.where(valid, s.logit_bias_ids, vocab)].add(
+            jnp.where(valid, s.logit_bias_values, 0.0), mode="drop")
+
+    return jax.lax.cond(jnp.any(valid), add, lambda l: l, logits)
 
 
 def _history_with_pending(s: SamplingArrays, prev_ids: jax.Array | None) -> jax.Array:
@@ -535,7 +581,7 @@ def sample(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array | None = No
     penalized = jax.lax.cond(
         any_penalty,
         lambda l: _apply_penalties(l, s, *_history_state(s, _history_with_pending(s, prev_ids), vocab)),
-        lambda l: l, logits)
+        lambda l: l, apply_logit_bias(logits, s))
     return _sample_penalized(penalized, logits, s, token_bitmask)
 
 
@@ -551,7 +597,7 @@ def sample_with_state(logits: jax.Array, s: SamplingArrays, prev_ids: jax.Array 
         seen, counts, state = _slot_rows(state, s, prev_ids)
         return _apply_penalties(l, s, seen, counts), state
 
-    penalized, state = jax.lax.cond(any_slot, penalize, lambda a: a, (logits, state))
+    penalized, state = jax.lax.cond(any_slot, penalize, lambda a: a, (apply_logit_bias(logits, s), state))
     out = _sample_penalized(penalized, logits, s, token_bitmask)
     state = jax.lax.cond(any_slot, lambda st: _count_sampled(st, s, out.token_ids), lambda st: st, state)
     return out, state

@@ -483,12 +483,15 @@ class Scheduler:
         # passes a constant that already sits on the device.
         builds_penalties = any(s.sample and s.request.params.uses_penalties and s.request.penalty_slot is None
                                for s in scheduled)
+        # The logit-bias arrays only when some request has a bias: other steps send none.
+        has_bias = any(s.request.params.logit_bias for s in scheduled)
         while True:  # once more without any request whose sampling values fail (rare)
             failed: list[ScheduledSeq] = []
             num_tokens = sum(s.num_tokens for s in scheduled)
             max_pages = max(self.pool.num_pages_held(s.request.request_id) for s in scheduled)
             T, S, P = self.buckets.pick(num_tokens, max_pages)
-            samp = empty_sampling_arrays(S, self.history_len, with_history=builds_penalties)
+            samp = empty_sampling_arrays(S, self.history_len, with_history=builds_penalties,
+                                         with_logit_bias=has_bias)
             row = 0
             for s in scheduled:  # a sampler row per sequence, and one per draft token
                 s.row, row = row, row + 1 + len(s.drafts)
@@ -592,6 +595,10 @@ class Scheduler:
         num_out = len(req.output_token_ids) + req.num_pending
         samp["steps"][i] = num_out
         samp["want_logprobs"][i] = p.logprobs is not None
+        if p.logit_bias:  # (validated: at most MAX_LOGIT_BIAS entries, ids checked against the vocabulary)
+            k = len(p.logit_bias)
+            samp["logit_bias_ids"][i, :k] = np.fromiter(p.logit_bias.keys(), np.int32, k)
+            samp["logit_bias_values"][i, :k] = np.fromiter(p.logit_bias.values(), np.float32, k)
         if num_out < p.min_tokens:
             # A stop id past int32 is past any vocabulary: never sampled, nothing to ban.
             banned = ([] if p.ignore_eos else list(req.eos_token_ids)) + [t for t in p.stop_token_ids

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.engine.engine import QueueFullError, RequestOutput
+from jaxserve.engine.engine import QueueFullError, RequestOutput, check_logit_bias_vocab
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import Metrics, RequestTimer
 
@@ -47,7 +47,7 @@ class NotFound(LookupError):
 def field_of(message: str) -> str | None:
     if message.startswith("prompt_token_ids"):
         return "prompt"
-    for name in SAMPLING_FIELDS + ("prompt", "messages", "model", "request_id"):
+    for name in SAMPLING_FIELDS + ("logit_bias", "prompt", "messages", "model", "request_id"):
         if message.startswith(name + " ") or message.startswith(name + ":") or f" {name} " in message:
             return name
     return None
@@ -66,6 +66,10 @@ def check_for_model(params: SamplingParams, engine: AsyncEngine) -> None:
     bad = next((t for t in params.stop_token_ids if t >= vocab), None)
     if bad is not None:
         raise InvalidRequest(f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
+    try:
+        check_logit_bias_vocab(params, vocab)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "logit_bias") from None
 
 
 def check_sequences(num_prompts: int, n: int, limit: int) -> None:

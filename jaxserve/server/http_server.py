@@ -10,6 +10,7 @@ error event and still ends with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, N
                                     check_for_model, check_sequences, check_text_size, make_sampling_params,
                                     max_token_chars, stream_outputs)
 from jaxserve.server.metrics import Metrics
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_N
 from jaxserve.server.structured_fields import structured_outputs_from_body
 
 access_log = logging.getLogger("jaxserve.access")
@@ -36,8 +38,8 @@ _FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
            "num_speculative_tokens")
 # Accepted by OpenAI but not implemented here: refused by name rather than silently ignored. Each
 # maps to the values that mean "not used" (and so are fine to send).
-_UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "user": (None,),
+_UNSUPPORTED = {"suffix": (None, ""), "tools": (None, []),
+                "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
                 "functions": (None, []), "function_call": (None, "none")}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids")
@@ -203,6 +205,20 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         for name, fine in _UNSUPPORTED.items():
             if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
                 raise InvalidRequest(f"{name} is not supported by this server", name)
+        # `user`: the end user's id (OpenAI uses it to monitor abuse): accepted, no effect on the output.
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise InvalidRequest(f"user must be a string, got {type(body['user']).__name__}", "user")
+        best_of = body.get("best_of")
+        if best_of is not None and not (chat and best_of == 1 and type(best_of) is int):
+            if chat:  # (OpenAI's chat completions have no best_of)
+                raise InvalidRequest("best_of is only supported by /v1/completions", "best_of")
+            n = body.get("n", 1) if body.get("n") is not None else 1
+            if isinstance(best_of, bool) or not isinstance(best_of, int) or not 1 <= best_of <= MAX_N:
+                raise InvalidRequest(f"best_of must be an integer in [1, {MAX_N}], got {best_of!r}", "best_of")
+            if isinstance(n, int) and not isinstance(n, bool) and best_of < n:
+                raise InvalidRequest(f"best_of ({best_of}) must be >= n ({n})", "best_of")
+            if body.get("stream") and best_of != n:  # the choice is made once every candidate is done
+                raise InvalidRequest("best_of is not supported with stream", "best_of")
         opts = body.get("stream_options")
         if opts is not None:
             if not isinstance(opts, dict):
@@ -234,6 +250,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 values["max_tokens"] = 16  # OpenAI's completions default
         if "stop" in body and body["stop"] is not None and not isinstance(body["stop"], (str, list)):
             raise InvalidRequest(f"stop must be a string or a list of strings, got {body['stop']!r}", "stop")
+        values["logit_bias"] = logit_bias_of(body)
         params = make_sampling_params(values)
         params.structured_outputs, _ = structured_outputs_from_body(body)  # (validated there)
         if chat and values["max_tokens"] is None:
@@ -249,6 +266,17 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             await asyncio.to_thread(engine.engine.grammars.compile, params.structured_outputs)
         except ValueError as exc:
             raise InvalidRequest(str(exc), structured_outputs_from_body(body)[1]) from None
+
+    fingerprints: dict[int, str] = {}
+
+    def system_fingerprint(engine: Any) -> str:
+        """OpenAI's system_fingerprint: names the backend configuration (jaxserve's version, the
+        model and every engine setting), so a client sees when a change may change outputs."""
+        key = id(engine.engine)
+        if key not in fingerprints:
+            setup = repr((fleet.server_version(), model_name, engine.engine.config))
+            fingerprints[key] = "fp_" + hashlib.sha256(setup.encode()).hexdigest()[:12]
+        return fingerprints[key]
 
     def engine_or_raise() -> Any:
         engine = get_engine()
@@ -286,6 +314,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 content = ""
             elif not isinstance(content, str):
                 raise InvalidRequest(f"{where}.content must be a string or a list of text parts", "messages")
+            if m.get("name") is not None and not isinstance(m["name"], str):
+                raise InvalidRequest(f"{where}.name must be a string", f"{where}.name")
             msg: dict[str, Any] = {"role": role, "content": content}
             for extra in ("name", "tool_calls", "tool_call_id"):
                 if m.get(extra) is not None:
@@ -306,7 +336,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         raise InvalidRequest("prompt must be a non-empty string, list of strings, list of token ids or list of "
                              "token-id lists", "prompt")
 
-    async def prepare(engine: Any, body: dict[str, Any], chat: bool) -> tuple[list[list[int]], list[str | None]]:
+    async def prepare(engine: Any, body: dict[str, Any], chat: bool, n: int) -> tuple[list[list[int]], list[str | None]]:
         """Token ids (and text) of every prompt, computed in a worker thread."""
         e = engine.engine
         tokenizer = e.tokenizer
@@ -318,18 +348,10 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 raise InvalidRequest(f"messages hold {total} characters, more than a {e.max_model_len}-token "
                                      "context can hold", "messages")
 
-            def render() -> list[int]:
-                ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-                return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
-
-            try:
-                ids = await asyncio.to_thread(render)
-            except Exception as exc:  # noqa: BLE001 - the template refused these messages
-                raise InvalidRequest(f"messages: the chat template failed: {exc}", "messages") from None
+            ids = await asyncio.to_thread(render_chat, tokenizer, messages)
             return [ids], [None]
         prompts = completion_prompts(body)
-        check_sequences(len(prompts), body.get("n") if isinstance(body.get("n"), int) else 1,
-                        max_sequences_per_request)
+        check_sequences(len(prompts), n, max_sequences_per_request)
         texts: list[str | None] = []
         for p in prompts:
             if isinstance(p, str):
@@ -422,11 +444,19 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             refuse_unsupported(body, chat)
             engine = engine_or_raise()
             params = sampling(body, chat)
+            n_out, keep_logprobs = params.n, params.logprobs is not None
+            best_of = None if chat else body.get("best_of")
+            if best_of is not None and best_of > params.n:
+                # vLLM's best_of: generate best_of candidates, answer with the n of highest
+                # cumulative logprob; each candidate's token logprobs are needed to rank it.
+                params.n = best_of
+                if params.logprobs is None:
+                    params.logprobs = 0
             check_for_model(params, engine)
             await compile_grammar(engine, body, params)
             if chat:
                 check_sequences(1, params.n, max_sequences_per_request)
-            disconnected, prepared = await _until_disconnect(request, prepare(engine, body, chat))
+            disconnected, prepared = await _until_disconnect(request, prepare(engine, body, chat, params.n))
             if disconnected:
                 return Response(status_code=499)
             prompts, texts = prepared
@@ -460,17 +490,19 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             if disconnected:  # nobody to answer; the requests were aborted and their pages freed
                 return Response(status_code=499)
             results, usage, prompt_logprobs = ran
+            if params.n != n_out:  # (usage still counts every candidate's tokens, as OpenAI bills them)
+                results = best_of_choices(results, n_out, keep_logprobs)
             tok = engine.engine.tokenizer
             choices = []
             for (pi, ci), comp in sorted(results.items()):
-                index = pi * params.n + ci
+                index = pi * n_out + ci
                 choice: dict[str, Any] = {"index": index}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": comp.text}
                     choice["logprobs"] = logprobs_json(comp, tok, chat)
                 elif body.get("echo"):
                     choice.update(echo_choice(comp, prompts[pi], texts[pi], prompt_logprobs.get(pi),
-                                              params.logprobs is not None, tok))
+                                              keep_logprobs, tok))
                 else:
                     choice["text"] = comp.text
                     choice["logprobs"] = logprobs_json(comp, tok, chat)
@@ -479,7 +511,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                     choice["token_ids"] = comp.token_ids
                 choices.append(choice)
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                 "choices": choices, "usage": usage_json(usage)}, headers=id_header)
+                                 "system_fingerprint": system_fingerprint(engine), "choices": choices,
+                                 "usage": usage_json(usage)}, headers=id_header)
         except (InvalidRequest, NotFound, Overloaded, NotReady, EngineFailure) as exc:
             return error_response(exc)
         except Exception as exc:  # noqa: BLE001 - this request alone fails, in OpenAI's shape
@@ -495,6 +528,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         queue: asyncio.Queue = asyncio.Queue()
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
         tok = engine.engine.tokenizer
+        fingerprint = system_fingerprint(engine)
         prompt_lens: dict[int, int] = {}  # for continuous usage: per prompt, and tokens per choice so far
         produced: dict[tuple[int, int], int] = {}
 
@@ -514,7 +548,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 await queue.put((pi, exc))
 
         def chunk(choices: list[dict[str, Any]], usage_value: Any = None) -> str:
-            c: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+            c: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model_name,
+                                 "system_fingerprint": fingerprint, "choices": choices}
             if include_usage:
                 c["usage"] = usage_value
             return f"data: {json.dumps(c)}\n\n"
@@ -670,6 +705,74 @@ def echo_choice(comp: Completion, prompt_ids: list[int], prompt_text: str | None
                          for e in entries],
         "text_offset": offsets,
     }
+    return out
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template's prompt ids. A message `name` is the template's to render; one whose
+    template renders the same prompt without the names would be silently dropped, so it is
+    refused instead (400 naming the first named message)."""
+    def ids_of(msgs: list[dict[str, Any]]) -> list[int]:
+        try:
+            ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the template refused these messages
+            raise InvalidRequest(f"messages: the chat template failed: {exc}", "messages") from None
+        return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+
+    ids = ids_of(messages)
+    named = [i for i, m in enumerate(messages) if m.get("name") is not None]
+    if named and ids_of([{k: v for k, v in m.items() if k != "name"} for m in messages]) == ids:
+        where = f"messages[{named[0]}].name"
+        raise InvalidRequest(f"{where}: this model's chat template does not use message names (the prompt "
+                             "would be the same without them); send the messages without `name`", where)
+    return ids
+
+
+def best_of_choices(results: dict[tuple[int, int], Completion], n: int,
+                    keep_logprobs: bool) -> dict[tuple[int, int], Completion]:
+    """best_of: per prompt, the n candidates of highest cumulative logprob (the sum of their
+    sampled tokens' logprobs under the model's distribution), best first; ties by candidate index.
+    Their logprobs are dropped unless the client asked for them."""
+    by_prompt: dict[int, list[tuple[int, Completion]]] = {}
+    for (pi, ci), comp in results.items():
+        by_prompt.setdefault(pi, []).append((ci, comp))
+    out = {}
+    for pi, candidates in by_prompt.items():
+        ranked = sorted(candidates, key=lambda c: (-cumulative_logprob(c[1]), c[0]))
+        for rank, (_, comp) in enumerate(ranked[:n]):
+            if not keep_logprobs:
+                comp.logprobs = []
+            out[(pi, rank)] = comp
+    return out
+
+
+def cumulative_logprob(comp: Completion) -> float:
+    return sum(entry[tok] for tok, entry in zip(comp.token_ids, comp.logprobs))
+
+
+def logit_bias_of(body: dict[str, Any]) -> dict[int, Any] | None:
+    """OpenAI's logit_bias, {"token id as a string": bias}, as SamplingParams' {int: bias} (which
+    checks the values and the count; the engine checks ids against the vocabulary)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias must be an object mapping token ids to numbers, got "
+                             f"{type(bias).__name__}", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:  # before parsing keys: the count alone refuses it
+        raise InvalidRequest(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    out: dict[int, Any] = {}
+    for key, value in bias.items():
+        text = key.strip()
+        # int() alone would take "1_000" and "+5"; token ids are plain digits (OpenAI's rule too).
+        if not text.isascii() or not text.isdigit() or len(text) > 10:
+            shown = key if len(key) <= 40 else key[:37] + "..."
+            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers as strings), "
+                                 f"got {shown!r}", "logit_bias")
+        tok = int(text)
+        if tok in out:
+            raise InvalidRequest(f"logit_bias names token {tok} twice", "logit_bias")
+        out[tok] = value
     return out
 
 
