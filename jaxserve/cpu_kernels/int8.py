@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -55,9 +56,12 @@ def best_isa() -> str:
 
 
 def int8_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, *, isa: str = "auto",
-                    threads: int = 0) -> jax.Array:
+                    threads: int | None = None) -> jax.Array:
     """x f32 [..., in] @ dequant(q int8 [out, in], scales f32 [out, in/32]).T -> f32 [..., out].
-    isa: force a path (tests); threads: cap on the threads used (0: XLA's intra-op pool)."""
+    isa: force a path (tests); threads: cap on the threads used (0: XLA's intra-op pool; None:
+    $JAXSERVE_INT8_THREADS, else 0)."""
+    if threads is None:
+        threads = int(os.environ.get("JAXSERVE_INT8_THREADS", "0"))
     if x.dtype != jnp.float32 or q.dtype != jnp.int8 or scales.dtype != jnp.float32:
         raise ValueError(f"the CPU int8 kernel takes f32 x, int8 q, f32 scales; got {x.dtype}, {q.dtype}, {scales.dtype}")
     out, n_in = q.shape
