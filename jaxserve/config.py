@@ -46,6 +46,9 @@ class EngineConfig:
     # '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'. Off by default;
     # see jaxserve/engine/speculative.py. Steps then run synchronously (no overlap).
     speculative_config: str | dict | None = None
+    # Weight-only quantization: "none" or "int8" (symmetric int8, a float32 scale per 32 inputs,
+    # quantized at load from any checkpoint and cached; see jaxserve/quantization.py).
+    quantization: str = "none"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -84,6 +87,9 @@ class EngineConfig:
         self.mesh = f"{data}x{model}"
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        from jaxserve.quantization import check_method
+
+        self.quantization = check_method(self.quantization)
         from jaxserve.cache.block_hash import HASH_ALGOS
         from jaxserve.cache.kv_events import KVEventsConfig
 
@@ -112,6 +118,11 @@ def add_engine_args(parser: Any) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif f.name == "quantization":
+            from jaxserve.quantization import METHODS
+
+            parser.add_argument(flag, dest=f.name, default=None, choices=METHODS,
+                                help="weight-only quantization (int8: a scale per 32 inputs)")
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], None)
             parser.add_argument(flag, dest=f.name, default=None,

@@ -188,21 +188,29 @@ def describe_layout(cfg: ModelConfig, layout: HeadLayout, tp: int) -> str:
             f"holds whole heads: {len(layout.q_heads) // tp} query and {len(layout.kv_heads) // tp} KV heads per device")
 
 
-def param_sharding(mesh: Mesh, name: str) -> NamedSharding:
+def param_sharding(mesh: Mesh, name: str, quantized: bool = False) -> NamedSharding:
+    """quantized: `name` is stored int8-transposed, or is a scale (see jaxserve/quantization.py)."""
+    if quantized or name.endswith("_scale"):
+        from jaxserve.quantization import partition_spec
+
+        return NamedSharding(mesh, partition_spec(name, PARAM_SPECS))
     return NamedSharding(mesh, PARAM_SPECS[name])
 
 
 def shard_params(params: dict[str, np.ndarray], mesh: Mesh, dtype: Any) -> dict[str, jax.Array]:
-    """Host arrays -> arrays sharded by the rules; each device receives only its own slice."""
+    """Host arrays -> arrays sharded by the rules; each device receives only its own slice.
+    Quantized weights (int8, with a `name_scale` beside them) keep their int8 / float32 dtypes."""
     out = {}
     for name, host in params.items():
-        sharding = param_sharding(mesh, name)
+        quantized = name + "_scale" in params
+        sharding = param_sharding(mesh, name, quantized)
+        kind = host.dtype if quantized or name.endswith("_scale") else np.dtype(dtype)
 
-        def shard(index, host=host):
-            return np.asarray(host[index], dtype)
+        def shard(index, host=host, kind=kind):
+            return np.asarray(host[index], kind)
 
         # dtype given: on a multi-host mesh a process may hold no shard of this replica.
-        out[name] = jax.make_array_from_callback(host.shape, sharding, shard, dtype=np.dtype(dtype))
+        out[name] = jax.make_array_from_callback(host.shape, sharding, shard, dtype=np.dtype(kind))
     return out
 
 

@@ -44,17 +44,17 @@ def _cpu_fingerprint() -> str:
         return platform.processor()
 
 
-def _library_path() -> Path:
+def _library_path(source: Path = _SOURCE, flags: list[str] = _FLAGS) -> Path:
     import jaxlib
 
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
                                      platform.machine().encode(), _cpu_fingerprint().encode()])).hexdigest()[:16]
-    return cache_root() / "kernels" / f"ragged_paged_attention-{key}.so"
+    return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
-def build() -> Path:
-    """Compile the kernel library unless a build for this source, jaxlib and CPU is cached."""
-    path = _library_path()
+def build(source: Path = _SOURCE, flags: list[str] = _FLAGS) -> Path:
+    """Compile a kernel library unless a build for this source, jaxlib and CPU is cached."""
+    path = _library_path(source, flags)
     if path.is_file():
         return path
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -62,12 +62,12 @@ def build() -> Path:
         raise RuntimeError("no C++ compiler found (set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", str(tmp)]
-    log.info("compiling the CPU attention kernel: %s", " ".join(cmd))
+    cmd = [compiler, *flags, "-I", jax.ffi.include_dir(), str(source), "-o", str(tmp)]
+    log.info("compiling a CPU kernel: %s", " ".join(cmd))
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"compiling {source.name} failed:\n{done.stderr[-4000:]}")
     os.replace(tmp, path)  # atomic: processes building at once each publish a whole file
     return path
 

@@ -157,15 +157,38 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.mesh = parallel.make_mesh(config.mesh)
         num_replicas, tp = parallel.parse_mesh(config.mesh)
-        cfg, params = load_weights(config.model, config.dtype)
+        cfg, params = load_weights(config.model, config.dtype, quantization=config.quantization)
         parallel.check_splittable(cfg, tp)
+        quantized = config.quantization == "int8"
         self.model_config = cfg
         self.tokenizer = load_tokenizer(config.model)
         dtype = resolve_dtype(config.dtype)
         layout = parallel.head_layout(cfg, tp)
         if not layout.is_identity:
             log.info(parallel.describe_layout(cfg, layout, tp))
-        served_cfg, params = parallel.apply_head_layout(cfg, params, layout)
+        if quantized and not layout.is_identity:
+            # Heads are re-laid in float and quantized again: a round trip that changes no value
+            # (a group's max maps back to the same scale, every q to itself).
+            from jaxserve.quantization import dequantize_params, quantize_params
+
+            attn = ("wq", "wk", "wv", "wo")
+            served_cfg, params = parallel.apply_head_layout(cfg, dequantize_params(cfg, params, attn), layout)
+            params = quantize_params(served_cfg, params)
+        else:
+            served_cfg, params = parallel.apply_head_layout(cfg, params, layout)
+        if quantized:
+            from jaxserve.quantization import check_splittable, quantized_names
+
+            check_splittable(served_cfg, tp)
+            self.weight_bytes = sum(int(a.nbytes) for a in params.values())
+            float_bytes = self.weight_bytes + sum(int(params[n].size) * (np.dtype(dtype).itemsize - 1)
+                                                  - int(params[n + "_scale"].nbytes) for n in quantized_names(cfg))
+            log.info("quantization int8 (weight-only, a scale per 32 inputs; %s): weights %.1f MiB, %s would be "
+                     "%.1f MiB", ", ".join(quantized_names(cfg)), self.weight_bytes / 2**20,
+                     np.dtype(dtype).name, float_bytes / 2**20)
+        else:
+            self.weight_bytes = sum(int(a.size) * np.dtype(dtype).itemsize for a in params.values())
+            log.info("weights %.1f MiB (%s)", self.weight_bytes / 2**20, np.dtype(dtype).name)
         self.served_model_config = served_cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
@@ -188,13 +211,16 @@ class LLMEngine:
             if self.speculative.method == "draft_model":
                 draft = self._load_draft_model(cfg, tp, config.dtype)
 
-        def place(model_cfg: Any, served: Any, weights: Any, mesh: Any) -> LlamaForCausalLM:
+        def place(model_cfg: Any, served: Any, weights: Any, mesh: Any, quantization: str = "none") -> LlamaForCausalLM:
             arrays = parallel.shard_params(weights, mesh, dtype)  # each device gets only its slices
             inv_freq = jax.device_put(rope_inv_freq(model_cfg), parallel.replicated(mesh))
-            return LlamaForCausalLM.from_arrays(served, arrays, dtype, inv_freq)
+            return LlamaForCausalLM.from_arrays(served, arrays, dtype, inv_freq, quantization=quantization)
 
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
-            model = place(cfg, served_cfg, params, mesh)
+            model = place(cfg, served_cfg, params, mesh, config.quantization)
+            if quantized:
+                log.info("int8 linear layers run on %s", "the CPU kernel (jax.ffi)" if model.quant_impl == "kernel"
+                         else "XLA (int8 weights dequantized inside the dot)")
             pool = PagePool(num_pages, page_size)
             prefix_cache = None
             if config.enable_prefix_caching:

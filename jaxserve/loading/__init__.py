@@ -79,10 +79,37 @@ def _convert(path: Path, np_dtype: np.dtype) -> tuple[ModelConfig, dict[str, np.
 
 
 def load_weights(
-    model: str | os.PathLike | None, dtype: str = "float32", use_cache: bool = True
+    model: str | os.PathLike | None, dtype: str = "float32", use_cache: bool = True, quantization: str = "none"
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and stacked weights. Converted weights are cached with orbax so that a second start
-    skips dequantization and restacking."""
+    skips dequantization and restacking. quantization "int8": the linear layers come back
+    quantized (jaxserve.quantization.quantize_params), cached the same way under their own key."""
+    from jaxserve.quantization import QUANT_CACHE_TAG, check_method, quantize_params
+
+    if check_method(quantization) == "int8":
+        path = Path(model) if model is not None else default_model_path()
+        if not path.exists():
+            raise ValueError(f"model path {str(path)!r} does not exist")
+        tag = f"{jnp.dtype(resolve_dtype(dtype)).name}-{QUANT_CACHE_TAG}"
+        cache_dir = cache_root() / "converted" / _cache_key(path, tag)
+        use_cache = use_cache and jax.process_count() == 1  # see below: no collective orbax multi-host
+        if use_cache and (cache_dir / "config.json").is_file():
+            from jaxserve.loading.orbax_checkpoint import restore_params
+
+            cfg = config_from_dict(json.loads((cache_dir / "config.json").read_text()))
+            log.info("restoring int8-quantized weights from %s", cache_dir)
+            return cfg, restore_params(cache_dir / "params")
+        cfg, params = load_weights(model, dtype, use_cache)
+        params = quantize_params(cfg, params)
+        if use_cache:
+            from jaxserve.loading.orbax_checkpoint import save_params
+
+            def write_quantized(staging: Path) -> None:
+                save_params(staging / "params", params)
+                (staging / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+
+            _publish_cache_dir(cache_dir, write_quantized, "int8-quantized weights", "config.json")
+        return cfg, params
     path = Path(model) if model is not None else default_model_path()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")

@@ -190,6 +190,10 @@ class LlamaForCausalLM(nnx.Module):
         # the mesh their weights are split over (None: unsplit). Static, not parameters.
         self.moe_impl = "auto"
         self.expert_mesh = None
+        # Weight-only quantization ("none" | "int8", see jaxserve/quantization.py) and how its
+        # linear layers run ("kernel": the CPU jax.ffi kernel, "xla"). Static, set by from_arrays.
+        self.quantization = "none"
+        self.quant_impl = "xla"
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
         self.inv_freq_local = nnx.Variable(jnp.asarray(rope_inv_freq(cfg, local=True)))
         rngs = rngs or nnx.Rngs(0)
@@ -216,20 +220,31 @@ class LlamaForCausalLM(nnx.Module):
 
     @classmethod
     def from_arrays(cls, cfg: ModelConfig, params: dict[str, jax.Array], dtype: Any = jnp.float32,
-                    inv_freq: jax.Array | None = None) -> "LlamaForCausalLM":
+                    inv_freq: jax.Array | None = None, quantization: str = "none",
+                    quant_impl: str = "auto") -> "LlamaForCausalLM":
         """A model holding exactly these (already placed, possibly sharded) arrays: it is built
-        abstractly first, so no device ever holds randomly initialised or full-size copies."""
+        abstractly first, so no device ever holds randomly initialised or full-size copies.
+        quantization "int8": `params` as jaxserve.quantization.quantize_params lays them out."""
+        from jaxserve import quantization as quant
+
         model = nnx.eval_shape(lambda: cls(cfg, dtype))
-        shapes = param_shapes(cfg)
-        missing = set(shapes) - set(params)
+        quant.check_method(quantization)
+        if quantization == "int8":
+            expected = quant.param_shapes(cfg, dtype)
+        else:
+            expected = {name: (shape, jnp.dtype(dtype)) for name, shape in param_shapes(cfg).items()}
+        missing = set(expected) - set(params)
         if missing:
             raise ValueError(f"checkpoint is missing parameters: {sorted(missing)}")
-        for name, shape in shapes.items():
+        for name, (shape, want) in expected.items():
             value = params[name]
-            if tuple(value.shape) != shape or value.dtype != jnp.dtype(dtype):
+            if tuple(value.shape) != shape or value.dtype != want:
                 raise ValueError(f"parameter {name!r} is {value.dtype}{tuple(value.shape)}, "
-                                 f"the config needs {jnp.dtype(dtype)}{shape}")
+                                 f"the config needs {want}{shape}")
             setattr(model, name, nnx.Param(value))
+        model.quantization = quantization
+        if quantization == "int8":
+            model.quant_impl = quant.resolve_impl(quant_impl, params["wq"])
         if cfg.is_moe:
             from jaxserve.models.moe import expert_mesh_of
 
@@ -243,8 +258,24 @@ class LlamaForCausalLM(nnx.Module):
         model.inv_freq_local = nnx.Variable(local)
         return model
 
+    def _param_names(self) -> list[str]:
+        if self.quantization == "int8":
+            from jaxserve.quantization import param_shapes as quantized_shapes
+
+            return list(quantized_shapes(self.cfg, self.dtype))
+        return list(param_shapes(self.cfg))
+
     def param_arrays(self) -> dict[str, jax.Array]:
-        return {name: getattr(self, name)[...] for name in param_shapes(self.cfg)}
+        return {name: getattr(self, name)[...] for name in self._param_names()}
+
+    def _linear(self, x: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
+        """x @ p[name]: a float weight [in, out], or int8 q [out, in] with p[name + "_scale"]."""
+        scale = p.get(name + "_scale")
+        if scale is None:
+            return x @ p[name]
+        from jaxserve.quantization import linear
+
+        return linear(x, p[name], scale, self.quant_impl)
 
     def __call__(
         self,
@@ -266,8 +297,11 @@ class LlamaForCausalLM(nnx.Module):
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq = self.inv_freq[...]
         inv_freq_local = self.inv_freq_local[...]
-        have = param_shapes(cfg)
+        have = set(self._param_names())
         layer_params = {n: getattr(self, n)[...] for n in LAYER_PARAMS if n in have}
+        layer_params.update({n + "_scale": getattr(self, n + "_scale")[...] for n in LAYER_PARAMS
+                             if n + "_scale" in have})
+        mm = self._linear
         # The pool is viewed flat over layers: layer l's pages are l*num_pages + page. Gathers and
         # scatters then index one array, which XLA updates in place inside the scan carry.
         pool = kv_cache.reshape(L * num_pages, *kv_cache.shape[2:])
@@ -293,7 +327,7 @@ class LlamaForCausalLM(nnx.Module):
             x, pool = carry
             p, l = xs
             h = rms_norm(x, p["attn_norm"], eps, offset)
-            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            q, k, v = mm(h, p, "wq"), mm(h, p, "wk"), mm(h, p, "wv")
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
@@ -312,7 +346,7 @@ class LlamaForCausalLM(nnx.Module):
                 attn = jax.lax.cond(is_local > 0, attend(True), attend(False), q, pool, k, v, l)
             else:
                 attn = attend(static_local)(q, pool, k, v, l)
-            o = attn.reshape(T, H * D).astype(x.dtype) @ p["wo"]
+            o = mm(attn.reshape(T, H * D).astype(x.dtype), p, "wo")
             if cfg.sandwich_norms:
                 o = rms_norm(o, p["post_attn_norm"], eps, offset)
             x = x + o
@@ -320,13 +354,18 @@ class LlamaForCausalLM(nnx.Module):
             if cfg.is_moe:
                 m = moe_mlp(h, p, cfg, impl=self.moe_impl, mesh=self.expert_mesh).astype(x.dtype)
             else:
-                m = (act(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+                m = mm(act(mm(h, p, "w_gate")) * mm(h, p, "w_up"), p, "w_down")
             if cfg.sandwich_norms:
                 m = rms_norm(m, p["post_mlp_norm"], eps, offset)
             x = x + m
             return (x, pool), None
 
-        x = self.embed[...][tokens].astype(self.dtype)
+        if self.quantization == "int8" and cfg.tie_word_embeddings:  # the head's int8 rows, dequantized
+            from jaxserve.quantization import embed_rows
+
+            x = embed_rows(self.embed[...], self.embed_scale[...], tokens, self.dtype)
+        else:
+            x = self.embed[...][tokens].astype(self.dtype)
         if cfg.embed_scale:  # HF casts the normaliser to the model dtype first (sqrt(3072) -> 55.5 in bf16)
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
         (x, pool), _ = jax.lax.scan(layer, (x, pool), (layer_params, jnp.arange(L, dtype=jnp.int32)))
@@ -334,7 +373,13 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V]."""
-        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = (hidden @ head).astype(jnp.float32)
+        if self.quantization == "int8":
+            name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
+            logits = self._linear(hidden, {name: getattr(self, name)[...],
+                                           name + "_scale": getattr(self, name + "_scale")[...]}, name)
+            logits = logits.astype(jnp.float32)
+        else:
+            head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+            logits = (hidden @ head).astype(jnp.float32)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
