@@ -24,21 +24,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_full_vocab_tiny(root: Path) -> Path:
-    """A 2-layer random Llama whose vocabulary is the default tokenizer's (49,152): real text works."""
+def make_full_vocab_tiny(root: Path, name: str = "tiny-full-vocab", seed: int = 0, **config) -> Path:
+    """A 2-layer random Llama whose vocabulary is the default tokenizer's (49,152): real text works.
+    `config` overrides the transformers LlamaConfig fields below."""
     import torch
     import transformers
 
     from jaxserve.loading import load_tokenizer
 
     tok = load_tokenizer(None)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
+    fields = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = transformers.LlamaConfig(**{**fields, **config})
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    path = root / "tiny-full-vocab"
+    path = root / name
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -21,22 +21,9 @@ def _other_random_model(root: Path) -> Path:
     """A random Llama with the same vocabulary as the tiny target but other weights (1 layer), and
     an LM head of its own: a random model with tied embeddings mostly repeats its input token, as
     the tiny target does, and would agree with it."""
-    import torch
-    import transformers
-
-    from jaxserve.loading import load_tokenizer
-
-    tok = load_tokenizer(None)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id)
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    path = root / "other-draft"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return make_full_vocab_tiny(root, "other-draft", seed=1, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
