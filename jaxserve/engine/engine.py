@@ -263,7 +263,7 @@ class LLMEngine:
         if self.multihost:
             from jaxserve import distributed
 
-            if draft is not None:  # followers replay the target's steps only
+            if any(r.drafter is not None for r in self.replicas):  # followers replay the target's steps only
                 raise ValueError("speculative method 'draft_model' does not run on several hosts yet")
             distributed.check_same_setup([r.runner for r in self.replicas], (config.mesh, config.dtype))
         if config.compile_ahead:
