@@ -377,10 +377,18 @@ class Scheduler:
 
     def draft_candidates(self) -> list[tuple[Request, int]]:
         """(request, most drafts) of the running requests that may get drafts next step, for a
-        proposer that drafts them all at once before the step is scheduled (a draft model)."""
-        if not self._speculating() or len(self.running) >= self.max_num_seqs:
-            return []
-        return [(req, n) for req in self.running if (n := self._drafts_worth(req)) > 0]
+        proposer that drafts them all at once before the step is scheduled (a draft model): in
+        the order schedule() hands out the spare sampler rows, and no more drafts than those."""
+        spare = self.max_num_seqs - len(self.running) if self._speculating() else 0
+        wanted = []
+        for req in self.running:
+            if spare <= 0:
+                break
+            n = min(self._drafts_worth(req), spare)
+            if n > 0:
+                wanted.append((req, n))
+                spare -= n
+        return wanted
 
     def _propose(self, req: Request, limit: int) -> list[int]:
         """Draft tokens for a decoding request, at most `limit` (the step's spare sampler rows)."""
