@@ -94,21 +94,11 @@ def load_weights(
         cache_dir = cache_root() / "converted" / _cache_key(path, tag)
         use_cache = use_cache and jax.process_count() == 1  # see below: no collective orbax multi-host
         if use_cache and (cache_dir / "config.json").is_file():
-            from jaxserve.loading.orbax_checkpoint import restore_params
-
-            cfg = config_from_dict(json.loads((cache_dir / "config.json").read_text()))
-            log.info("restoring int8-quantized weights from %s", cache_dir)
-            return cfg, restore_params(cache_dir / "params")
+            return _restore_weights(cache_dir, "int8-quantized weights")
         cfg, params = load_weights(model, dtype, use_cache)
         params = quantize_params(cfg, params)
         if use_cache:
-            from jaxserve.loading.orbax_checkpoint import save_params
-
-            def write_quantized(staging: Path) -> None:
-                save_params(staging / "params", params)
-                (staging / "config.json").write_text(json.dumps(config_to_dict(cfg)))
-
-            _publish_cache_dir(cache_dir, write_quantized, "int8-quantized weights", "config.json")
+            _save_weights(cache_dir, cfg, params, "int8-quantized weights")
         return cfg, params
     path = Path(model) if model is not None else default_model_path()
     if not path.exists():
@@ -122,21 +112,29 @@ def load_weights(
         log.info("multi-host run: weights are converted on every host, not cached")
         use_cache = False
     if use_cache and (cache_dir / "config.json").is_file():
-        from jaxserve.loading.orbax_checkpoint import restore_params
-
-        cfg = config_from_dict(json.loads((cache_dir / "config.json").read_text()))
-        log.info("restoring converted weights from %s", cache_dir)
-        return cfg, restore_params(cache_dir / "params")
+        return _restore_weights(cache_dir, "converted weights")
     cfg, params = _convert(path, np.dtype(jdtype))
     if use_cache:
-        from jaxserve.loading.orbax_checkpoint import save_params
-
-        def write(staging: Path) -> None:
-            save_params(staging / "params", params)
-            (staging / "config.json").write_text(json.dumps(config_to_dict(cfg)))
-
-        _publish_cache_dir(cache_dir, write, "converted weights", "config.json")
+        _save_weights(cache_dir, cfg, params, "converted weights")
     return cfg, params
+
+
+def _restore_weights(cache_dir: Path, what: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    from jaxserve.loading.orbax_checkpoint import restore_params
+
+    cfg = config_from_dict(json.loads((cache_dir / "config.json").read_text()))
+    log.info("restoring %s from %s", what, cache_dir)
+    return cfg, restore_params(cache_dir / "params")
+
+
+def _save_weights(cache_dir: Path, cfg: ModelConfig, params: dict[str, np.ndarray], what: str) -> None:
+    from jaxserve.loading.orbax_checkpoint import save_params
+
+    def write(staging: Path) -> None:
+        save_params(staging / "params", params)
+        (staging / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+
+    _publish_cache_dir(cache_dir, write, what, "config.json")
 
 
 def _publish_cache_dir(final: Path, write: Any, what: str, marker: str) -> None:
