@@ -155,9 +155,26 @@ def release_compiled_code():
 
     import jax
 
+    _map_counts.append(_memory_mappings())
     gc.collect()
     jax.clear_caches()
     gc.collect()
+
+
+_map_counts: list[int] = []
+
+
+def _memory_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _map_counts:  # how close the run came to the limit above, for the next time a compile crashes
+        terminalreporter.write_line(f"memory mappings at a module's end, before its release: peak {max(_map_counts)}")
 
 
 def small_engine_options(**kw) -> dict:
