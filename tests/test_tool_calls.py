@@ -349,3 +349,21 @@ def test_http_bad_tool_fields_are_400s_naming_the_field(server, body, param):
     assert status == 400 and err["error"]["param"] == param, err
     status, err = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "tools": TOOLS})
     assert status == 400 and err["error"]["param"] == "tools", err
+
+
+def test_each_of_n_streamed_choices_has_its_own_calls(server):
+    from server_utils import sse
+
+    status, events = sse(server, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                                                          "n": 2, "max_tokens": 96, "temperature": 1.0, "seed": 9})
+    assert status == 200 and events[-1] == "[DONE]", events
+    calls: dict[int, list] = {0: [], 1: []}
+    reasons = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            calls[c["index"]] += c["delta"].get("tool_calls") or []
+            reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        assert [d["index"] for d in calls[index]] == list(range(len(calls[index])))
+        check_calls(calls[index], {"get_weather", "get_time"})
