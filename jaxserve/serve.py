@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cap on prompts x n in one HTTP request (so one request cannot fill the queue)")
     p.add_argument("--enable-debug-endpoints", action="store_true",
                    help="GET /debug/pages: page-pool invariants and counts (for tests)")
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
+                   help="how chat outputs are read for tool calls (auto: from the chat template)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0 (else $JAX_COORDINATOR_ADDRESS)")
@@ -75,7 +77,8 @@ async def serve(args: argparse.Namespace) -> int:
     await set_health(health, False)
     await grpc_server.start()
     app = build_http_app(get_engine, metrics, model_name, args.api_key, args.max_request_bytes,
-                         args.max_sequences_per_request, args.enable_debug_endpoints)
+                         args.max_sequences_per_request, args.enable_debug_endpoints,
+                         tool_call_parser=args.tool_call_parser)
     # By the time uvicorn is told to exit, the drain is over: the handlers only flush their last bytes.
     http = _http_server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
                                       access_log=False, lifespan="off", timeout_graceful_shutdown=5))

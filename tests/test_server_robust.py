@@ -377,8 +377,9 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(srv):
 # (logit_bias, user and best_of on completions are honoured now: test_logit_bias.py, test_openai_fields.py)
 @pytest.mark.parametrize("field, value", [("suffix", "x"),
                                           ("response_format", {"type": "yaml"}),  # (json_object and json_schema: issue 19)
+                                          # (tools are honoured on chat, test_tool_calls.py: these are bad values there)
                                           ("tools", [{"type": "function"}]),
-                                          ("tool_choice", "auto"), ("parallel_tool_calls", True),
+                                          ("tool_choice", "required"), ("parallel_tool_calls", "yes"),
                                           ("stream_options", {"continuous_usage_stats": "yes"})])
 def test_ignored_fields_are_refused_by_name(srv, field, value):
     for path, base in (("/v1/completions", {"prompt": "hi"}),

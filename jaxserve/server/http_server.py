@@ -29,6 +29,7 @@ from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, N
 from jaxserve.server.metrics import Metrics
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_N
 from jaxserve.server.structured_fields import structured_outputs_from_body
+from jaxserve.server import tool_calls
 
 access_log = logging.getLogger("jaxserve.access")
 
@@ -38,9 +39,8 @@ _FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
            "num_speculative_tokens")
 # Accepted by OpenAI but not implemented here: refused by name rather than silently ignored. Each
 # maps to the values that mean "not used" (and so are fine to send).
-_UNSUPPORTED = {"suffix": (None, ""), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-                "functions": (None, []), "function_call": (None, "none")}
+# (tools, tool_choice, parallel_tool_calls: server/tool_calls.py.)
+_UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids")
 _REQUEST_ID_KEY = fleet.REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
@@ -156,7 +156,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[boo
 
 def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: str, api_key: str | None = None,
                    max_request_bytes: int = 1 << 20, max_sequences_per_request: int = 128,
-                   debug_endpoints: bool = False) -> FastAPI:
+                   debug_endpoints: bool = False, tool_call_parser: str = "auto") -> FastAPI:
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_AuthAndAccessLog, api_key=api_key)
 
@@ -265,7 +265,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         try:
             await asyncio.to_thread(engine.engine.grammars.compile, params.structured_outputs)
         except ValueError as exc:
-            raise InvalidRequest(str(exc), structured_outputs_from_body(body)[1]) from None
+            # (no structured-output field: the grammar is a forced tool_choice's, from `tools`)
+            raise InvalidRequest(str(exc), structured_outputs_from_body(body)[1] or "tools") from None
 
     fingerprints: dict[int, str] = {}
 
@@ -336,7 +337,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         raise InvalidRequest("prompt must be a non-empty string, list of strings, list of token ids or list of "
                              "token-id lists", "prompt")
 
-    async def prepare(engine: Any, body: dict[str, Any], chat: bool, n: int) -> tuple[list[list[int]], list[str | None]]:
+    async def prepare(engine: Any, body: dict[str, Any], chat: bool, n: int,
+                      tools: tool_calls.ToolRequest | None = None) -> tuple[list[list[int]], list[str | None]]:
         """Token ids (and text) of every prompt, computed in a worker thread."""
         e = engine.engine
         tokenizer = e.tokenizer
@@ -348,7 +350,11 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 raise InvalidRequest(f"messages hold {total} characters, more than a {e.max_model_len}-token "
                                      "context can hold", "messages")
 
-            ids = await asyncio.to_thread(render_chat, tokenizer, messages)
+            def render() -> list[int]:
+                msgs, extra = tool_calls.template_inputs(tokenizer, messages, tools, tool_call_parser)
+                return render_chat(tokenizer, msgs, extra)
+
+            ids = await asyncio.to_thread(render)
             return [ids], [None]
         prompts = completion_prompts(body)
         check_sequences(len(prompts), n, max_sequences_per_request)
@@ -442,8 +448,11 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             client_id = fleet.request_id_from(request.headers)
             body = await body_of(request)
             refuse_unsupported(body, chat)
+            tools = tool_calls.tools_from_body(body, chat)
             engine = engine_or_raise()
             params = sampling(body, chat)
+            if tools is not None and tools.forced:
+                params.structured_outputs = tools.constraint()
             n_out, keep_logprobs = params.n, params.logprobs is not None
             best_of = None if chat else body.get("best_of")
             if best_of is not None and best_of > params.n:
@@ -456,7 +465,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             await compile_grammar(engine, body, params)
             if chat:
                 check_sequences(1, params.n, max_sequences_per_request)
-            disconnected, prepared = await _until_disconnect(request, prepare(engine, body, chat, params.n))
+            disconnected, prepared = await _until_disconnect(request, prepare(engine, body, chat, params.n, tools))
             if disconnected:
                 return Response(status_code=499)
             prompts, texts = prepared
@@ -478,7 +487,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 # vLLM's extension (guidellm sends it): every chunk carries the usage so far.
                 continuous = include_usage and bool(opts.get("continuous_usage_stats"))
                 stream = stream_response(engine, prompts, texts, params, rid, labels, created, chat, include_usage,
-                                         want_ids, continuous)
+                                         want_ids, continuous, tools)
                 # Admission errors surface as a 400/429, not mid-stream; a client gone meanwhile aborts it.
                 disconnected, first = await _until_disconnect(request, stream.__anext__())
                 if disconnected:
@@ -497,7 +506,11 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             for (pi, ci), comp in sorted(results.items()):
                 index = pi * n_out + ci
                 choice: dict[str, Any] = {"index": index}
-                if chat:
+                finish_reason = comp.finish_reason
+                if chat and tools is not None:
+                    choice["message"], finish_reason = tool_calls.parse_message(tools, comp.text, finish_reason)
+                    choice["logprobs"] = logprobs_json(comp, tok, chat)
+                elif chat:
                     choice["message"] = {"role": "assistant", "content": comp.text}
                     choice["logprobs"] = logprobs_json(comp, tok, chat)
                 elif body.get("echo"):
@@ -506,7 +519,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 else:
                     choice["text"] = comp.text
                     choice["logprobs"] = logprobs_json(comp, tok, chat)
-                choice["finish_reason"] = comp.finish_reason
+                choice["finish_reason"] = finish_reason
                 if want_ids:
                     choice["token_ids"] = comp.token_ids
                 choices.append(choice)
@@ -520,7 +533,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             return error_response(exc)
 
     async def stream_response(engine, prompts, texts, params, rid, labels, created, chat, include_usage,
-                              want_ids, continuous: bool = False) -> AsyncIterator[str]:
+                              want_ids, continuous: bool = False,
+                              tools: tool_calls.ToolRequest | None = None) -> AsyncIterator[str]:
         """SSE chunks. Every engine output with new tokens is sent, even when its text is held
         back (a possible stop string, an incomplete character): its token ids and logprobs count.
         `continuous`: each chunk's usage is the request's so far (prompts seen, tokens generated)."""
@@ -529,6 +543,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
         tok = engine.engine.tokenizer
         fingerprint = system_fingerprint(engine)
+        tool_streams: dict[int, tool_calls.ToolStream] = {}  # per choice: calls held back until complete
         prompt_lens: dict[int, int] = {}  # for continuous usage: per prompt, and tokens per choice so far
         produced: dict[tuple[int, int], int] = {}
 
@@ -584,15 +599,22 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                         usage["cached"] += item.num_cached_tokens
                 if not item.delta_text and not item.delta_token_ids and not item.finished:
                     continue
-                if chat:
-                    choice: dict[str, Any] = {"index": index, "delta": {"content": item.delta_text}}
+                finish_reason = comp.finish_reason if item.finished else None
+                if chat and tools is not None:
+                    ts = tool_streams.setdefault(index, tool_calls.ToolStream(tools))
+                    text, call_deltas, finish_reason = ts.step(item.delta_text, item.finished, finish_reason)
+                    choice: dict[str, Any] = {"index": index, "delta": {"content": text}}
+                    if call_deltas:
+                        choice["delta"]["tool_calls"] = call_deltas
+                elif chat:
+                    choice = {"index": index, "delta": {"content": item.delta_text}}
                 else:
                     choice = {"index": index, "text": item.delta_text}
                 choice["logprobs"] = None
                 if item.delta_logprobs and item.delta_token_ids:
                     part = Completion(token_ids=item.delta_token_ids, logprobs=item.delta_logprobs)
                     choice["logprobs"] = logprobs_json(part, tok, chat)
-                choice["finish_reason"] = comp.finish_reason if item.finished else None
+                choice["finish_reason"] = finish_reason
                 if want_ids:
                     choice["token_ids"] = list(item.delta_token_ids)
                 yield chunk([choice], usage_so_far())
@@ -708,13 +730,13 @@ def echo_choice(comp: Completion, prompt_ids: list[int], prompt_text: str | None
     return out
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> list[int]:
     """The chat template's prompt ids. A message `name` is the template's to render; one whose
     template renders the same prompt without the names would be silently dropped, so it is
     refused instead (400 naming the first named message)."""
     def ids_of(msgs: list[dict[str, Any]]) -> list[int]:
         try:
-            ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **(extra or {}))
         except Exception as exc:  # noqa: BLE001 - the template refused these messages
             raise InvalidRequest(f"messages: the chat template failed: {exc}", "messages") from None
         return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
