@@ -63,6 +63,29 @@ def test_a_template_that_renders_names_takes_them_and_one_that_does_not_refuses_
     assert "(alice)" in tok.decode(with_name)
 
 
+# ---- what routers add to the bodies they forward (no server needed) -------------------------------------
+
+# Recorded from vllm-router 0.1.17 and sglang-router 0.3.2 (round_robin) forwarding the minimal
+# requests of server_utils.exercise_through_router to a recording proxy: both re-serialize the body
+# through SGLang's request types, which writes these defaults (vllm-router adds include_reasoning).
+ROUTER_COMPLETION_DEFAULTS = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                              "skip_special_tokens": True, "return_hidden_states": False}
+ROUTER_CHAT_DEFAULTS = {"stream": True, "logprobs": False, "max_completion_tokens": 4, "no_stop_trim": False,
+                        "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+                        "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+                        "include_reasoning": True}
+
+
+def test_the_fields_routers_add_are_accepted():
+    from jaxserve.server.http_server import ALLOWED_FIELDS
+    from jaxserve.server.request_fields import check_fields
+
+    check_fields({"model": "tiny", "prompt": "Hello there", "max_tokens": 4, **ROUTER_COMPLETION_DEFAULTS},
+                 ALLOWED_FIELDS["completions"], "/v1/completions")
+    check_fields({"model": "tiny", "messages": MSGS, "max_tokens": 4, **ROUTER_CHAT_DEFAULTS},
+                 ALLOWED_FIELDS["chat"], "/v1/chat/completions")
+
+
 # ---- through the server -------------------------------------------------------------------------------
 
 @pytest.mark.slow
