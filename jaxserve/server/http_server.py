@@ -44,6 +44,7 @@ _UNSUPPORTED = {"suffix": (None, ""), "tools": (None, []),
                 "functions": (None, []), "function_call": (None, "none")}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids", "skip_special_tokens")
+# Chat's tool fields, known whatever their handling (in _UNSUPPORTED today), so listed on their own.
 _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 # Every top-level body field each route honours or accepts; any other key is a 400 naming it
 # (jaxserve/server/request_fields.py has the accepted-with-no-effect and refused-unless-unused rules).
