@@ -153,7 +153,10 @@ def test_text_input_string_and_items_and_instructions(client):
     assert items.output_text == r.output_text and items.usage.input_tokens == r.usage.input_tokens
     told = client.responses.create(model="smol", input="Name a color.", instructions="Answer in French.",
                                    max_output_tokens=8, temperature=0)
-    assert told.instructions == "Answer in French." and told.usage.input_tokens > r.usage.input_tokens
+    chat = client.chat.completions.create(model="smol", max_tokens=1, messages=[
+        {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Name a color."}])
+    # (SmolLM2's template writes its own system prompt when there is none: the counts differ)
+    assert told.instructions == "Answer in French." and told.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_greedy_equals_the_chat_completion(client):
@@ -211,9 +214,10 @@ def test_a_second_turn_with_the_call_output(client):
     history = [{"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in first.output],
                {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}]
     second = client.responses.create(model="smol", input=history, tools=TOOLS, max_output_tokens=24, temperature=0,
-                                     tool_choice="none")
+                                     tool_choice="none")  # (none: the tools stay out of the prompt)
     assert second.output_text and all(item.type == "message" for item in second.output)
-    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output were rendered
+    plain = client.responses.create(model="smol", input=ASK, max_output_tokens=1)
+    assert second.usage.input_tokens > plain.usage.input_tokens + 20  # the call and its output were rendered
 
 
 def fold(events) -> tuple[str, list, object]:
@@ -231,7 +235,8 @@ def fold(events) -> tuple[str, list, object]:
 def same_output(a, b) -> None:
     strip = lambda r: [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")}  # noqa: E731
                        for item in r.output]
-    assert strip(a) == strip(b) and a.status == b.status and a.usage == b.usage
+    assert strip(a) == strip(b) and a.status == b.status  # (cached_tokens differ: the prefix cache)
+    assert (a.usage.input_tokens, a.usage.output_tokens) == (b.usage.input_tokens, b.usage.output_tokens)
 
 
 def test_streamed_text_equals_not_streamed(client):
