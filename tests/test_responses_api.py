@@ -116,7 +116,8 @@ def server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("xla-responses")
     cmd = [sys.executable, "-m", "jaxserve.serve", "--grpc-port", str(free_port()), "--http-port", str(http_port),
            "--served-model-name", "smol", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-           "--max-model-len", "640", "--num-pages", "128", "--compilation-cache-dir", str(cache)]
+           "--max-model-len", "640", "--num-pages", "128", "--compilation-cache-dir", str(cache),
+           "--enable-debug-endpoints"]
     log = open(cache / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{http_port}"
@@ -283,3 +284,26 @@ def test_http_errors_name_the_field(server, body, param):
     assert status == 400 and err["error"]["param"] == param, err
     status, events = sse(server, "/v1/responses", {"model": "smol", "input": "hi", **body})
     assert status == 400 and events[0]["error"]["param"] == param, events
+
+
+def test_a_client_leaving_a_stream_aborts_it(server):
+    import http.client
+
+    from server_utils import request as http_request
+
+    conn = http.client.HTTPConnection("127.0.0.1", server["http_port"], timeout=60)
+    conn.request("POST", "/v1/responses", json.dumps({"model": "smol", "input": "Write a long story.", "stream": True,
+                                                      "max_output_tokens": 400, "temperature": 0}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    seen = [resp.readline() for _ in range(18)]  # (created, in_progress, added, part added: 3 lines each)
+    assert any(line.startswith(b"event: response.output_text.delta") for line in seen), seen
+    conn.close()
+    deadline = time.time() + 30
+    while True:  # aborted: nothing runs, every page is free or cached
+        p = json.loads(http_request("GET", server["base"] + "/debug/pages")[2])
+        if p["running"] == p["waiting"] == p["streams"] == 0 and p["used_pages"] == p["cached_pages"]:
+            break
+        assert time.time() < deadline, p
+        time.sleep(0.2)

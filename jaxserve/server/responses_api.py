@@ -227,7 +227,8 @@ def _renamed(exc: InvalidRequest) -> InvalidRequest:
     head = param.split("[")[0].split(".")[0]
     if head not in _PARAM_NAMES:
         return exc
-    message = str(exc).replace("response_format", "text.format").replace("max_tokens", "max_output_tokens")
+    message = str(exc).replace("response_format.json_schema", "text.format").replace("response_format", "text.format")
+    message = message.replace("max_tokens", "max_output_tokens")
     return InvalidRequest(message, _PARAM_NAMES[head])
 
 
