@@ -200,8 +200,8 @@ def test_forced_tool_choices_give_valid_calls(client):
     for seed, temperature in ((0, 0.0), (1, 1.0), (2, 1.0)):
         for choice, names in (("required", {"get_weather", "get_time"}),
                               ({"type": "function", "name": "get_time"}, {"get_time"})):
-            r = client.responses.create(model="smol", input=ASK, tools=TOOLS, tool_choice=choice, temperature=temperature,
-                                        max_output_tokens=96, extra_body={"seed": seed})
+            r = client.responses.create(model="smol", input=ASK, tools=TOOLS, tool_choice=choice,
+                                        temperature=temperature, max_output_tokens=96, extra_body={"seed": seed})
             assert r.status == "completed" and r.output_text == ""
             calls = check_calls(r, names)
             if isinstance(choice, dict):
@@ -307,3 +307,17 @@ def test_a_client_leaving_a_stream_aborts_it(server):
             break
         assert time.time() < deadline, p
         time.sleep(0.2)
+
+
+def test_the_clients_parse_helper_reads_structured_output(client):
+    from typing import Literal
+
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=12)
+        unit: Literal["celsius", "fahrenheit"]
+
+    r = client.responses.parse(model="smol", input="The weather in Rome, as JSON.", text_format=Weather,
+                               max_output_tokens=64, temperature=0)
+    assert isinstance(r.output_parsed, Weather), r.output_text

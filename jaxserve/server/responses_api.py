@@ -16,6 +16,7 @@ Nothing is stored: `previous_response_id` and `conversation` are refused (400 na
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -310,7 +311,8 @@ class OutputBuilder:
             return
         message = self._open_message(events)
         message["content"][0]["text"] += text
-        events.append(("response.output_text.delta", {"item_id": message["id"], "output_index": self.output.index(message),
+        index = self.output.index(message)
+        events.append(("response.output_text.delta", {"item_id": message["id"], "output_index": index,
                                                       "content_index": 0, "delta": text, "logprobs": []}))
 
     def _call(self, call: dict[str, Any], events: list) -> None:
@@ -413,8 +415,6 @@ def endpoint(path: ChatPath) -> Callable[[Request], Awaitable[Response]]:
         except (InvalidRequest, NotFound, Overloaded, NotReady, EngineFailure) as exc:
             return path.error_response(exc)
         except Exception as exc:  # noqa: BLE001 - this request alone fails, in OpenAI's shape
-            import logging
-
             logging.getLogger(__name__).exception("request failed")
             return path.error_response(exc)
 
@@ -445,7 +445,8 @@ async def _events(path: ChatPath, engine: Any, prompt: list[int], text: str | No
                 yield sse("response.created", {"response": shell})
                 yield sse("response.in_progress", {"response": shell})
             comp = out.outputs[0]
-            for kind, payload in builder.step(out.delta_text, out.finished, comp.finish_reason if out.finished else None):
+            reason = comp.finish_reason if out.finished else None
+            for kind, payload in builder.step(out.delta_text, out.finished, reason):
                 yield sse(kind, payload)
             if out.finished:
                 status = "incomplete" if builder.incomplete else "completed"
