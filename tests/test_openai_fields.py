@@ -1,7 +1,9 @@
 """Issue 19's remaining OpenAI request fields (docs/openai_api.md): `user` (accepted, no effect),
 `name` on chat messages (the chat template's to render; refused where the template ignores it),
 `best_of` with `n` on completions (vLLM's: best_of candidates, the n of highest cumulative logprob),
-`suffix` (refused), and `system_fingerprint` in every response and chunk.
+`suffix` (refused), `system_fingerprint` in every response and chunk, and the per-route allowlist:
+an unknown field is a 400 naming it, accepted-no-effect fields change nothing, refused-unless-unused
+fields take only their "not used" value, `skip_special_tokens` is honoured.
 
 The model is a tiny random Llama with the default tokenizer (whose chat template has no names)."""
 
@@ -59,6 +61,29 @@ def test_a_template_that_renders_names_takes_them_and_one_that_does_not_refuses_
     with_name = render_chat(tok, named)
     assert with_name != render_chat(tok, [{"role": "user", "content": "hi"}])
     assert "(alice)" in tok.decode(with_name)
+
+
+# ---- what routers add to the bodies they forward (no server needed) -------------------------------------
+
+# Recorded from vllm-router 0.1.17 and sglang-router 0.3.2 (round_robin) forwarding the minimal
+# requests of server_utils.exercise_through_router to a recording proxy: both re-serialize the body
+# through SGLang's request types, which writes these defaults (vllm-router adds include_reasoning).
+ROUTER_COMPLETION_DEFAULTS = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                              "skip_special_tokens": True, "return_hidden_states": False}
+ROUTER_CHAT_DEFAULTS = {"stream": True, "logprobs": False, "max_completion_tokens": 4, "no_stop_trim": False,
+                        "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+                        "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+                        "include_reasoning": True}
+
+
+def test_the_fields_routers_add_are_accepted():
+    from jaxserve.server.http_server import ALLOWED_FIELDS
+    from jaxserve.server.request_fields import check_fields
+
+    check_fields({"model": "tiny", "prompt": "Hello there", "max_tokens": 4, **ROUTER_COMPLETION_DEFAULTS},
+                 ALLOWED_FIELDS["completions"], "/v1/completions")
+    check_fields({"model": "tiny", "messages": MSGS, "max_tokens": 4, **ROUTER_CHAT_DEFAULTS},
+                 ALLOWED_FIELDS["chat"], "/v1/chat/completions")
 
 
 # ---- through the server -------------------------------------------------------------------------------
@@ -140,3 +165,157 @@ def test_refused_fields_are_400s_naming_them(fields_srv, path, body):
         status, err = post(fields_srv, path, {**base, "max_tokens": 2, **body})
     field = next(k for k in body if k in ("best_of", "suffix"))
     assert status == 400 and err["error"]["param"] == field, err
+
+
+# ---- the allowlist: every field honoured or refused ---------------------------------------------------
+
+ROUTES = [("/v1/completions", {"prompt": "Hello"}), ("/v1/chat/completions", {"messages": MSGS})]
+ROUTE_IDS = ["completions", "chat"]
+
+
+def send(srv: dict, path: str, body: dict, stream: bool = False) -> tuple[int, dict]:
+    """(status, the JSON body or, streamed, the error / the last chunk before [DONE])."""
+    if not stream:
+        return post(srv, path, body)
+    status, events = sse(srv, path, body)
+    return status, events[0] if status != 200 else events[-2]
+
+
+def text_of(path: str, out: dict) -> str:
+    choice = out["choices"][0]
+    return choice["message"]["content"] if "chat" in path else choice["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path, base", ROUTES, ids=ROUTE_IDS)
+def test_an_unknown_field_is_a_400_naming_it(fields_srv, path, base, stream):
+    status, err = send(fields_srv, path, {**base, "max_tokens": 2, "not_a_field": 1}, stream)
+    assert status == 400 and err["error"]["param"] == "not_a_field", err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == 400
+    assert "not_a_field" in err["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field, value", [
+    ("max_completion_tokens", 3), ("top_logprobs", 2), ("messages", MSGS),  # chat's own fields
+    ("store", False), ("metadata", {}), ("tools", []), ("service_tier", "auto"),
+    ("request_id", "r-1"), ("priority", 0), ("add_special_tokens", True)])  # vLLM extensions not taken here
+def test_fields_completions_does_not_take_are_400s(fields_srv, field, value):
+    """Silently ignored before the allowlist; each is a 400 naming it now."""
+    status, err = post(fields_srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
+    assert status == 400 and err["error"]["param"] == field, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", ["prompt", "suffix", "request_id", "chat_template_kwargs"])
+def test_fields_chat_does_not_take_are_400s(fields_srv, field):
+    status, err = post(fields_srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, field: "x"})
+    assert status == 400 and err["error"]["param"] == field, err
+
+
+# field -> a value that is accepted and changes nothing (chat; `user` is tested above)
+NO_EFFECT = {"store": False, "metadata": {"team": "a"}, "service_tier": "default", "prompt_cache_key": "k-1",
+             "safety_identifier": "hash-1", "separate_reasoning": True, "stream_reasoning": False}
+
+
+@pytest.mark.slow
+def test_accepted_no_effect_fields_give_the_same_tokens(fields_srv):
+    body = {"messages": MSGS, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    status, plain = post(fields_srv, "/v1/chat/completions", body)
+    assert status == 200, plain
+    for field, value in NO_EFFECT.items():
+        status, out = post(fields_srv, "/v1/chat/completions", {**body, field: value})
+        assert status == 200, (field, out)
+        assert out["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"], field
+    status, out = post(fields_srv, "/v1/chat/completions", {**body, **NO_EFFECT, "store": None, "metadata": None})
+    assert status == 200 and out["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"], out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field, value", [
+    ("store", True), ("service_tier", "flex"), ("service_tier", "priority"), ("metadata", "x"),
+    ("prompt_cache_key", 5), ("safety_identifier", ["x"]), ("separate_reasoning", "yes"),
+    ("stream_reasoning", 1)])
+def test_accepted_no_effect_fields_check_their_type(fields_srv, field, value):
+    status, err = post(fields_srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, field: value})
+    assert status == 400 and err["error"]["param"] == field, err
+
+
+# field -> (a real value: refused, the "not used" values: accepted), and whether completions has it
+REFUSED_UNLESS_UNUSED = {
+    "audio": ({"voice": "alloy", "format": "wav"}, [None], False),
+    "prediction": ({"type": "content", "content": "x"}, [None], False),
+    "web_search_options": ({}, [None], False),
+    "reasoning_effort": ("low", [None], False),
+    "verbosity": ("low", [None], False),
+    "modalities": (["text", "audio"], [None, ["text"]], False),
+    "continue_final_message": (True, [None, False], False),
+    "include_reasoning": (False, [None, True], False),
+    "prompt_cache_retention": ("24h", [None, "in-memory"], False),
+    "no_stop_trim": (True, [None, False], True),
+    "return_hidden_states": (True, [None, False], True),
+    "spaces_between_special_tokens": (False, [None, True], True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", list(REFUSED_UNLESS_UNUSED))
+def test_refused_unless_unused_fields(fields_srv, field):
+    real, unused, on_completions = REFUSED_UNLESS_UNUSED[field]
+    for path, base in ROUTES if on_completions else ROUTES[1:]:
+        status, err = post(fields_srv, path, {**base, "max_tokens": 1, field: real})
+        assert status == 400 and err["error"]["param"] == field, (path, err)
+        for value in unused:
+            status, out = post(fields_srv, path, {**base, "max_tokens": 1, field: value})
+            assert status == 200, (path, value, out)
+    if not on_completions:  # a chat-only field is unknown to completions
+        status, err = post(fields_srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1, field: unused[-1]})
+        assert status == 400 and err["error"]["param"] == field, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, base", ROUTES, ids=ROUTE_IDS)
+def test_stream_options_keys(fields_srv, path, base):
+    body = {**base, "max_tokens": 2}
+    for opts, param in (({"include_usage": True, "bogus": True}, "stream_options.bogus"),
+                        ({"include_obfuscation": True}, "stream_options.include_obfuscation"),
+                        ({"include_usage": "yes"}, "stream_options.include_usage"),
+                        ("yes", "stream_options")):
+        status, err = send(fields_srv, path, {**body, "stream_options": opts}, stream=True)
+        assert status == 400 and err["error"]["param"] == param, (opts, err)
+    status, last = send(fields_srv, path, {**body, "stream_options": {"include_usage": True,
+                                                                      "include_obfuscation": False}}, stream=True)
+    assert status == 200 and last["usage"]["completion_tokens"] == 2, last
+
+
+IM_START = 1  # a special token of the default tokenizer that is not its EOS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path, base", ROUTES, ids=ROUTE_IDS)
+def test_skip_special_tokens_is_honoured(fields_srv, path, base, stream):
+    """logit_bias forces a special token; by default (true) it is left out of the text, with false
+    it is written out. The token ids are the same either way."""
+    body = {**base, "max_tokens": 3, "temperature": 0, "logit_bias": {str(IM_START): 100},
+            "return_token_ids": True}
+
+    def run(**extra) -> tuple[str, list[int]]:
+        if not stream:
+            status, out = post(fields_srv, path, {**body, **extra})
+            assert status == 200, out
+            return text_of(path, out), out["choices"][0]["token_ids"]
+        status, events = sse(fields_srv, path, {**body, **extra})
+        assert status == 200, events
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+        text = "".join(c["delta"].get("content") or "" if "chat" in path else c["text"] for c in chunks)
+        return text, [t for c in chunks for t in c.get("token_ids") or []]
+
+    skipped, ids = run()
+    assert ids == [IM_START] * 3 and skipped == ""
+    assert run(skip_special_tokens=True) == (skipped, ids)
+    kept, kept_ids = run(skip_special_tokens=False)
+    assert kept_ids == ids and kept == "<|im_start|>" * 3
+    status, err = post(fields_srv, path, {**body, "skip_special_tokens": "no"})
+    assert status == 400 and err["error"]["param"] == "skip_special_tokens", err

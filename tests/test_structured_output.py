@@ -344,3 +344,31 @@ def test_http_invalid_constraints_are_400s_naming_the_field(so_srv, path, body, 
     assert status == 400, err
     assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error", err
     assert_idle_and_consistent(so_srv, timeout=30)
+
+
+def test_overlapped_engine_steps_constrained_rows_every_call(engines):
+    """Under overlap a constrained row is planned only once its last token is read; the engine
+    reads a step with constrained rows before planning the next, so such a row still gains a
+    token per step() call (it gained one every other call before), beside an unconstrained row,
+    with the synchronous engine's tokens."""
+    so = StructuredOutputsParams(regex="[a-z]{400}")  # longer than 30 tokens: max_tokens ends it
+    reqs = [("c", PROMPTS[0], SamplingParams(max_tokens=30, temperature=1.0, seed=1, structured_outputs=so)),
+            ("u", PROMPTS[1], SamplingParams(max_tokens=30, temperature=1.0, seed=2, ignore_eos=True))]
+    engine = engines["overlap"]
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    calls, done, final = 0, {}, {}
+    while engine.has_unfinished():
+        calls += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id], final[out.request_id] = calls, out
+    engine.check_invariants()
+    # 30 tokens each: the prefill step samples the first, then one per call, +1 for the
+    # overlapped read of the last (every other call would take ~60).
+    assert done["c"] <= 33 and done["u"] <= 33, (done, calls)
+    want = run(engines["sync"], reqs)
+    for rid in ("c", "u"):
+        assert final[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+        assert len(final[rid].outputs[0].token_ids) == 30, rid
+    assert not check_output(engine, so, final["c"])  # a valid prefix, cut by max_tokens

@@ -164,11 +164,9 @@ def test_bad_tool_fields_name_the_field(body, param):
     assert info.value.param == param
 
 
-def test_completions_refuse_tools_and_chat_takes_not_used_values():
-    with pytest.raises(InvalidRequest) as info:
-        tc.tools_from_body({"tools": TOOLS}, chat=False)
-    assert info.value.param == "tools"
-    assert tc.tools_from_body({"tools": [], "tool_choice": "none"}, chat=False) is None
+def test_chat_takes_not_used_values():
+    # (completions refuse every tool field through their allowlist: test_openai_fields.py, and the
+    # HTTP test below)
     assert tc.tools_from_body({"tools": [], "tool_choice": "auto"}, chat=True) is None
     assert not tc.tools_from_body({"tools": TOOLS, "tool_choice": "none"}, chat=True).active
     assert tc.tools_from_body({"tools": TOOLS, "response_format": {"type": "json_object"}}, chat=True).choice == "auto"

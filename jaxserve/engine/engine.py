@@ -429,11 +429,21 @@ class LLMEngine:
         if self.multihost and self.broadcaster is None:
             # Followers released (or this is one): a step now would wait for them forever.
             raise RuntimeError("multi-host: this process does not drive the followers (stopped, or not process 0)")
+        drained: list[RequestOutput] = []
+        if self.overlap and any(x.plan.token_bitmask is not None for x in self._in_flight):
+            # A constrained row's next mask needs the token in flight, and the scheduler skips such
+            # a row until it is read: without this read the row would step only every other call.
+            # So while structured output runs, this step reads the last one before planning (the
+            # synchronous engine's pace for every row; the device still runs during the caller's
+            # work on the outputs).
+            to_read, self._in_flight = self._in_flight, []
+            drained = self._read(to_read)
         for replica in self.replicas:
             if replica.drafter is not None:  # the draft model's steps, before the target's is planned
                 replica.drafter.prepare(replica.scheduler.draft_candidates())
         plans = [replica.scheduler.schedule() for replica in self.replicas]
-        failed = [self._failed_output(req) for replica in self.replicas for req in replica.scheduler.take_failed()]
+        failed = drained + [self._failed_output(req) for replica in self.replicas
+                            for req in replica.scheduler.take_failed()]
         if all(plan is None for plan in plans) and not self._in_flight:
             self.keep_followers_alive()
             self._flush_kv_events()  # what aborts and failures evicted or cached meanwhile
@@ -454,6 +464,14 @@ class LLMEngine:
             to_read, self._in_flight = self._in_flight, launched
         else:
             to_read = launched
+        outputs = failed + self._read(to_read, launched, t0, t1)
+        self._flush_kv_events()
+        return outputs
+
+    def _read(self, to_read: list[_Launched], launched: list[_Launched] | None = None, t0: float = 0.0,
+              t1: float = 0.0) -> list[RequestOutput]:
+        """Wait for launched steps' results and collect them into outputs; with `launched` (this
+        call's launches), record the step's host time against its whole time."""
         if self.multihost:  # a replica on other hosts' devices sends its outputs here
             from jaxserve.distributed import gather_outputs
 
@@ -462,16 +480,16 @@ class LLMEngine:
         else:
             results = [(x, x.replica.runner.fetch(x.sampled, bool(x.plan.sampling["want_logprobs"].any())))
                        for x in to_read]
-        t2 = time.perf_counter()
-        # Host time (scheduling + input preparation + dispatch) against the whole step.
-        self.step_timings.append((sum(len(x.plan.seqs) for x in launched), sum(x.plan.num_tokens for x in launched),
-                                  t1 - t0, t2 - t0))
+        if launched is not None:
+            t2 = time.perf_counter()
+            # Host time (scheduling + input preparation + dispatch) against the whole step.
+            self.step_timings.append((sum(len(x.plan.seqs) for x in launched),
+                                      sum(x.plan.num_tokens for x in launched), t1 - t0, t2 - t0))
         now = time.monotonic()
-        outputs = failed
+        outputs: list[RequestOutput] = []
         for x, (token_ids, logprobs) in results:
             prompt_lps = self._fetch_prompt_logprobs(x) if x.plan.wants_prompt_logprobs else None
             outputs += self._collect(x.replica, x.plan, token_ids, logprobs, prompt_lps, now)
-        self._flush_kv_events()
         return outputs
 
     @staticmethod

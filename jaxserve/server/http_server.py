@@ -28,21 +28,35 @@ from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, N
                                     max_token_chars, stream_outputs)
 from jaxserve.server.metrics import Metrics
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_N
-from jaxserve.server.structured_fields import structured_outputs_from_body
-from jaxserve.server import responses_api, tool_calls
+from jaxserve.server import request_fields, responses_api, tool_calls
+from jaxserve.server.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs_from_body
 
 access_log = logging.getLogger("jaxserve.access")
 
 # OpenAI name -> SamplingParams name, plus vLLM's extra sampling fields.
 _FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
-           "num_speculative_tokens")
+           "num_speculative_tokens", "skip_special_tokens")
 # Accepted by OpenAI but not implemented here: refused by name rather than silently ignored. Each
 # maps to the values that mean "not used" (and so are fine to send).
 # (tools, tool_choice, parallel_tool_calls: server/tool_calls.py.)
 _UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids")
+_BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids", "skip_special_tokens")
+# Chat's tool fields (tools, tool_choice, parallel_tool_calls: server/tool_calls.py; the deprecated
+# functions / function_call: _UNSUPPORTED).
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+# Every top-level body field each route honours or accepts; any other key is a 400 naming it
+# (jaxserve/server/request_fields.py has the accepted-with-no-effect and refused-unless-unused rules).
+_SHARED_FIELDS = ("model", "stream", "stream_options", "logit_bias", "return_token_ids", "best_of", *_FIELDS,
+                  *STRUCTURED_FIELDS)
+ALLOWED_FIELDS: dict[str, frozenset[str]] = {
+    "completions": frozenset({*_SHARED_FIELDS, "prompt", "echo", "logprobs", "suffix",
+                              *request_fields.COMPLETIONS_EXTRA}),
+    # echo and best_of stay known on chat: refused there unless false / 1, as before.
+    "chat": frozenset({*_SHARED_FIELDS, "messages", "echo", "logprobs", "top_logprobs", "max_completion_tokens",
+                       *_TOOL_FIELDS, *request_fields.CHAT_EXTRA}),
+}
 _REQUEST_ID_KEY = fleet.REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 RETRY_AFTER_429 = "1"
 RETRY_AFTER_503 = "5"
@@ -202,12 +216,11 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         return body
 
     def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+        request_fields.check_fields(body, ALLOWED_FIELDS["chat" if chat else "completions"],
+                                    "/v1/chat/completions" if chat else "/v1/completions")
         for name, fine in _UNSUPPORTED.items():
             if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
                 raise InvalidRequest(f"{name} is not supported by this server", name)
-        # `user`: the end user's id (OpenAI uses it to monitor abuse): accepted, no effect on the output.
-        if body.get("user") is not None and not isinstance(body["user"], str):
-            raise InvalidRequest(f"user must be a string, got {type(body['user']).__name__}", "user")
         best_of = body.get("best_of")
         if best_of is not None and not (chat and best_of == 1 and type(best_of) is int):
             if chat:  # (OpenAI's chat completions have no best_of)
@@ -219,13 +232,6 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 raise InvalidRequest(f"best_of ({best_of}) must be >= n ({n})", "best_of")
             if body.get("stream") and best_of != n:  # the choice is made once every candidate is done
                 raise InvalidRequest("best_of is not supported with stream", "best_of")
-        opts = body.get("stream_options")
-        if opts is not None:
-            if not isinstance(opts, dict):
-                raise InvalidRequest("stream_options must be an object", "stream_options")
-            for key in ("include_usage", "continuous_usage_stats"):
-                if opts.get(key) is not None and not isinstance(opts[key], bool):
-                    raise InvalidRequest(f"stream_options.{key} must be a boolean", f"stream_options.{key}")
         if chat and body.get("echo"):
             raise InvalidRequest("echo is only supported by /v1/completions", "echo")
         if not chat and body.get("echo") and body.get("stream"):

@@ -14,6 +14,8 @@ from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.server.common import InvalidRequest
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# Every body field this module reads (the routes' allowlists take them from here).
+FIELDS = ("response_format", "structured_outputs", *_GUIDED, "guided_whitespace_pattern")
 
 
 def _response_format(value: Any) -> StructuredOutputsParams | None:

@@ -73,11 +73,7 @@ class ToolRequest:
 def tools_from_body(body: dict[str, Any], chat: bool) -> ToolRequest | None:
     """The request's tools (None when it has none to call); InvalidRequest naming the bad field."""
     tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
-    if not chat:  # OpenAI's completions have no tools: only their "not used" values pass
-        for name, value, fine in (("tools", tools, (None, [])), ("tool_choice", choice, (None, "none")),
-                                  ("parallel_tool_calls", parallel, (None,))):
-            if not any(value == f and type(value) is type(f) for f in fine):
-                raise InvalidRequest(f"{name} is only supported by /v1/chat/completions", name)
+    if not chat:  # OpenAI's completions have no tools: the route's allowlist refuses these fields
         return None
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequest(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls")
