@@ -28,7 +28,7 @@ from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, N
                                     max_token_chars, stream_outputs)
 from jaxserve.server.metrics import Metrics
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_N
-from jaxserve.server import request_fields, tool_calls
+from jaxserve.server import request_fields, responses_api, tool_calls
 from jaxserve.server.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs_from_body
 
 access_log = logging.getLogger("jaxserve.access")
@@ -639,6 +639,11 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request, chat=True)
+
+    # OpenAI's Responses API, translated onto the chat route's pieces (server/responses_api.py).
+    app.add_api_route("/v1/responses", responses_api.endpoint(responses_api.ChatPath(
+        body_of, engine_or_raise, sampling, compile_grammar, prepare, fit_max_tokens, run_all, _until_disconnect,
+        error_response, metrics, model_name)), methods=["POST"])
 
     def model_card() -> dict[str, Any]:
         engine = get_engine()
