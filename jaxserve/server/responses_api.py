@@ -210,6 +210,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and set(opts) <= {"include_obfuscation"}):
         raise InvalidRequest("stream_options may only hold include_obfuscation", "stream_options")
+    if opts is not None and opts.get("include_obfuscation") not in (None, False):  # (no padding is sent)
+        raise InvalidRequest("stream_options.include_obfuscation is not supported by this server",
+                             "stream_options.include_obfuscation")
     chat: dict[str, Any] = {"messages": input_messages(body), **chat_tools(body)}
     fmt = response_format(body.get("text"))
     if fmt is not None:
