@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Sequence
 
 MAX_MODEL_LEN = 128
 SERVER_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--max-model-len", str(MAX_MODEL_LEN),
@@ -45,13 +46,14 @@ def make_full_vocab_tiny(root: Path, name: str = "tiny-full-vocab", seed: int = 
     return path
 
 
-def start_server(model: Path, cache: Path, *extra: str, http_port: int | None = None,
-                 grpc_port: int | None = None) -> dict:
-    """A server on free ports (or the given ones: a restart in place); returns once /health is 200."""
+def start_server(model: Path | None, cache: Path, *extra: str, http_port: int | None = None,
+                 grpc_port: int | None = None, name: str = "tiny", base_args: Sequence[str] = SERVER_ARGS) -> dict:
+    """A server on free ports (or the given ones: a restart in place); returns once /health is 200.
+    `model` None: the embedded default model."""
     grpc_port, http_port = grpc_port or free_port(), http_port or free_port()
-    cmd = [sys.executable, "-m", "jaxserve.serve", "--model", str(model), "--served-model-name", "tiny",
-           "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--compilation-cache-dir", str(cache),
-           *SERVER_ARGS, *extra]
+    cmd = [sys.executable, "-m", "jaxserve.serve", *(["--model", str(model)] if model is not None else []),
+           "--served-model-name", name, "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+           "--compilation-cache-dir", str(cache), *base_args, *extra]
     log = open(cache / f"server-{http_port}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{http_port}"
@@ -69,6 +71,13 @@ def start_server(model: Path, cache: Path, *extra: str, http_port: int | None = 
             raise RuntimeError("server did not become healthy: " + Path(log.name).read_text()[-3000:])
         time.sleep(0.5)
     return dict(proc=proc, base=base, grpc=f"127.0.0.1:{grpc_port}", http_port=http_port, log=Path(log.name))
+
+
+def start_default_model_server(cache: Path) -> dict:
+    """The default model (served as "smol") with room for a few chat turns: the openai-client suites."""
+    return start_server(None, cache, "--enable-debug-endpoints", name="smol",
+                        base_args=("--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "640",
+                                   "--num-pages", "128"))
 
 
 def request(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,

@@ -9,8 +9,6 @@ tool calls and a second turn with their outputs, and streaming parsed by the cli
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import jsonschema
@@ -110,30 +108,12 @@ def test_builder_streams_and_whole_agree():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(the name joins conftest's SLOW_FIXTURES: the default model compiles for a minute)"""
-    from server_utils import free_port, request as http_request
+    from server_utils import start_default_model_server
 
-    http_port = free_port()
-    cache = tmp_path_factory.mktemp("xla-responses")
-    cmd = [sys.executable, "-m", "jaxserve.serve", "--grpc-port", str(free_port()), "--http-port", str(http_port),
-           "--served-model-name", "smol", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-           "--max-model-len", "640", "--num-pages", "128", "--compilation-cache-dir", str(cache),
-           "--enable-debug-endpoints"]
-    log = open(cache / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{http_port}"
-    deadline = time.time() + 600
-    while True:
-        assert proc.poll() is None, (cache / "server.log").read_text()[-3000:]
-        try:
-            if http_request("GET", base + "/health", timeout=2)[0] == 200:
-                break
-        except OSError:
-            pass
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.5)
-    yield dict(proc=proc, base=base, http_port=http_port)
-    proc.terminate()
-    proc.wait(timeout=60)
+    srv = start_default_model_server(tmp_path_factory.mktemp("xla-responses"))
+    yield srv
+    srv["proc"].terminate()
+    srv["proc"].wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
