@@ -84,8 +84,10 @@ def finished(reason: str | None) -> tuple[bool, str]:
 
 
 async def call_openai(client, args, prompt: str, max_tokens: int) -> tuple[Result, str]:
-    body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
     res, text, start = Result(ok=False), [], time.perf_counter()
     last, finish = start, None
     try:
@@ -125,8 +127,10 @@ async def call_grpc(stub, args, prompt: str, max_tokens: int) -> tuple[Result, s
 
     res, text, start = Result(ok=False), [], time.perf_counter()
     last, finish = start, None
-    req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                      ignore_eos=True))
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=True)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    req = pb.GenerateRequest(text=prompt, sampling=sampling)
     try:
         async for msg in stub(req, timeout=600):
             now = time.perf_counter()
@@ -224,6 +228,7 @@ def summarize(results: list[Result], duration: float, args, rate, concurrency) -
 
     return {"label": args.label, "backend": args.backend, "workload": args.workload,
             "request_rate": rate, "max_concurrency": concurrency,
+            "temperature": args.temperature, "top_p": args.top_p,
             "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
             "errors": sorted({r.error for r in results if not r.ok})[:5],
             "duration_s": duration, "request_throughput": len(ok) / duration,
@@ -296,6 +301,8 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--slo-ttft", type=float, default=2000.0, help="ms, for goodput")
     ap.add_argument("--slo-tpot", type=float, default=200.0, help="ms, for goodput")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (unseeded otherwise)")
+    ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--label", default="jaxserve")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON file; points are appended to an existing one")
