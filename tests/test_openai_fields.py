@@ -77,13 +77,10 @@ ROUTER_CHAT_DEFAULTS = {"stream": True, "logprobs": False, "max_completion_token
 
 
 def test_the_fields_routers_add_are_accepted():
-    from jaxserve.server.http_server import ALLOWED_FIELDS
-    from jaxserve.server.request_fields import check_fields
+    from jaxserve.server.openai_models import parse_request
 
-    check_fields({"model": "tiny", "prompt": "Hello there", "max_tokens": 4, **ROUTER_COMPLETION_DEFAULTS},
-                 ALLOWED_FIELDS["completions"], "/v1/completions")
-    check_fields({"model": "tiny", "messages": MSGS, "max_tokens": 4, **ROUTER_CHAT_DEFAULTS},
-                 ALLOWED_FIELDS["chat"], "/v1/chat/completions")
+    parse_request({"model": "tiny", "prompt": "Hello there", "max_tokens": 4, **ROUTER_COMPLETION_DEFAULTS}, False)
+    parse_request({"model": "tiny", "messages": MSGS, "max_tokens": 4, **ROUTER_CHAT_DEFAULTS}, True)
 
 
 # ---- through the server -------------------------------------------------------------------------------
@@ -200,7 +197,7 @@ def test_an_unknown_field_is_a_400_naming_it(fields_srv, path, base, stream):
 @pytest.mark.parametrize("field, value", [
     ("max_completion_tokens", 3), ("top_logprobs", 2), ("messages", MSGS),  # chat's own fields
     ("store", False), ("metadata", {}), ("tools", []), ("service_tier", "auto"),
-    ("request_id", "r-1"), ("priority", 0), ("add_special_tokens", True)])  # vLLM extensions not taken here
+    ("request_id", "r-1"), ("add_special_tokens", True)])  # vLLM extensions not taken here
 def test_fields_completions_does_not_take_are_400s(fields_srv, field, value):
     """Silently ignored before the allowlist; each is a 400 naming it now."""
     status, err = post(fields_srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
