@@ -327,6 +327,9 @@ def test_skip_special_tokens_is_honoured(fields_srv, path, base, stream):
      "messages[0].content[1].type"),
     (MSGS * 2 + [{"role": "user", "content": "r", "tool_call_id": "c1"}], "messages[2].tool_call_id"),
     ([{"role": "user", "content": None}], "messages[0].content"),
+    (MSGS + [{"role": "assistant", "content": "no", "refusal": "I can't"}], "messages[1].refusal"),
+    (MSGS + [{"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}],
+     "messages[1].annotations"),
 ])
 def test_nested_message_keys_are_checked(messages, param):
     from jaxserve.server.openai_models import parse_request
@@ -334,6 +337,17 @@ def test_nested_message_keys_are_checked(messages, param):
     with pytest.raises(InvalidRequest) as err:
         parse_request({"messages": messages}, True)
     assert err.value.param == param and param in str(err.value)
+
+
+def test_an_assistant_message_replayed_from_openai_is_accepted():
+    """OpenAI's own responses carry empty refusal/annotations/audio/function_call keys, which an
+    agent replays in the history: accepted while empty, and not passed on to the template."""
+    from jaxserve.server.openai_models import parse_request
+
+    replayed = {"role": "assistant", "content": "4", "refusal": None, "annotations": [], "audio": None,
+                "function_call": None, "tool_calls": None}
+    req = parse_request({"messages": MSGS + [replayed, {"role": "user", "content": "and 3+3?"}]}, True)
+    assert req.messages[1].for_template() == {"role": "assistant", "content": "4"}
 
 
 def test_strict_types_and_float_fields_take_ints():

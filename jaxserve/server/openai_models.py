@@ -212,6 +212,19 @@ class ChatMessage(_Strict):
     name: StrictStr | None = None  # the chat template's to render (http_server.render_chat)
     tool_calls: list[dict[str, Any]] | None = None  # (their shape: tool_calls.check_history)
     tool_call_id: StrictStr | None = None
+    # Keys of OpenAI's own assistant messages, which agents replay in a history (a conversation may
+    # have begun on another server): accepted while empty, since nothing here produces them.
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+
+    @field_validator("annotations")
+    @classmethod
+    def _no_annotations(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("must be empty or null (no annotations are rendered)")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
