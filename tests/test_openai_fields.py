@@ -77,13 +77,10 @@ ROUTER_CHAT_DEFAULTS = {"stream": True, "logprobs": False, "max_completion_token
 
 
 def test_the_fields_routers_add_are_accepted():
-    from jaxserve.server.http_server import ALLOWED_FIELDS
-    from jaxserve.server.request_fields import check_fields
+    from jaxserve.server.openai_models import parse_request
 
-    check_fields({"model": "tiny", "prompt": "Hello there", "max_tokens": 4, **ROUTER_COMPLETION_DEFAULTS},
-                 ALLOWED_FIELDS["completions"], "/v1/completions")
-    check_fields({"model": "tiny", "messages": MSGS, "max_tokens": 4, **ROUTER_CHAT_DEFAULTS},
-                 ALLOWED_FIELDS["chat"], "/v1/chat/completions")
+    parse_request({"model": "tiny", "prompt": "Hello there", "max_tokens": 4, **ROUTER_COMPLETION_DEFAULTS}, False)
+    parse_request({"model": "tiny", "messages": MSGS, "max_tokens": 4, **ROUTER_CHAT_DEFAULTS}, True)
 
 
 # ---- through the server -------------------------------------------------------------------------------
@@ -200,7 +197,7 @@ def test_an_unknown_field_is_a_400_naming_it(fields_srv, path, base, stream):
 @pytest.mark.parametrize("field, value", [
     ("max_completion_tokens", 3), ("top_logprobs", 2), ("messages", MSGS),  # chat's own fields
     ("store", False), ("metadata", {}), ("tools", []), ("service_tier", "auto"),
-    ("request_id", "r-1"), ("priority", 0), ("add_special_tokens", True)])  # vLLM extensions not taken here
+    ("request_id", "r-1"), ("add_special_tokens", True)])  # vLLM extensions not taken here
 def test_fields_completions_does_not_take_are_400s(fields_srv, field, value):
     """Silently ignored before the allowlist; each is a 400 naming it now."""
     status, err = post(fields_srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
@@ -319,3 +316,110 @@ def test_skip_special_tokens_is_honoured(fields_srv, path, base, stream):
     assert kept_ids == ids and kept == "<|im_start|>" * 3
     status, err = post(fields_srv, path, {**body, "skip_special_tokens": "no"})
     assert status == 400 and err["error"]["param"] == "skip_special_tokens", err
+
+
+# ---- the request models (jaxserve/server/openai_models.py): nested keys, priority, one field source ----
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": "hi", "nmae": "x"}], "messages[0].nmae"),  # a typo is not dropped
+    ([{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}], "messages[0].content[0].cache_control"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[1].type"),
+    (MSGS * 2 + [{"role": "user", "content": "r", "tool_call_id": "c1"}], "messages[2].tool_call_id"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    (MSGS + [{"role": "assistant", "content": "no", "refusal": "I can't"}], "messages[1].refusal"),
+    (MSGS + [{"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}],
+     "messages[1].annotations"),
+])
+def test_nested_message_keys_are_checked(messages, param):
+    from jaxserve.server.openai_models import parse_request
+
+    with pytest.raises(InvalidRequest) as err:
+        parse_request({"messages": messages}, True)
+    assert err.value.param == param and param in str(err.value)
+
+
+def test_an_assistant_message_replayed_from_openai_is_accepted():
+    """OpenAI's own responses carry empty refusal/annotations/audio/function_call keys, which an
+    agent replays in the history: accepted while empty, and not passed on to the template."""
+    from jaxserve.server.openai_models import parse_request
+
+    replayed = {"role": "assistant", "content": "4", "refusal": None, "annotations": [], "audio": None,
+                "function_call": None, "tool_calls": None}
+    req = parse_request({"messages": MSGS + [replayed, {"role": "user", "content": "and 3+3?"}]}, True)
+    assert req.messages[1].for_template() == {"role": "assistant", "content": "4"}
+
+
+def test_strict_types_and_float_fields_take_ints():
+    from jaxserve.server.openai_models import parse_request
+
+    for body, param in (({"n": True}, "n"), ({"stream": 1}, "stream"), ({"temperature": "1"}, "temperature"),
+                        ({"stop_token_ids": [1, "2"]}, "stop_token_ids[1]"), ({"priority": 1.5}, "priority")):
+        with pytest.raises(InvalidRequest) as err:
+            parse_request({"prompt": "hi", **body}, False)
+        assert err.value.param == param, (body, err.value)
+    req = parse_request({"prompt": "hi", "temperature": 1, "priority": -3}, False)
+    assert req.temperature == 1.0 and isinstance(req.temperature, float) and req.priority == -3
+
+
+def test_grpc_and_http_take_the_sampling_fields_from_one_model():
+    from jaxserve.proto import jaxserve_pb2 as pb
+    from jaxserve.server.grpc_server import GrpcSampling, sampling_from_proto
+    from jaxserve.server.openai_models import (SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest,
+                                               SamplingFields)
+
+    for model in (CompletionRequest, ChatCompletionRequest, GrpcSampling):
+        assert issubclass(model, SamplingFields) and set(SAMPLING_FIELDS) <= set(model.model_fields)
+    assert set(pb.SamplingParams.DESCRIPTOR.fields_by_name) == set(GrpcSampling.model_fields) - {
+        "logit_bias", "skip_special_tokens", "num_speculative_tokens"}  # (the proto is fixed)
+    params = sampling_from_proto(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_k=5, stop=["a"])))
+    assert params.top_k == 5 and params.stop == ["a"]
+
+
+def _priority_app(policy: str, seen: list):
+    """The HTTP app over a fake engine that records the priority each request reaches it with."""
+    from types import SimpleNamespace
+
+    from jaxserve.engine.engine import CompletionOutput, RequestOutput
+    from jaxserve.server.http_server import build_http_app
+    from jaxserve.server.metrics import Metrics
+
+    class FakeEngine:
+        accepting = True
+        engine = SimpleNamespace(config=SimpleNamespace(scheduling_policy=policy), max_model_len=64, tokenizer=None,
+                                 model_config=SimpleNamespace(vocab_size=100))
+
+        async def generate(self, prompt, params, priority=0, **kw):
+            seen.append(priority)
+            yield RequestOutput("r", None, list(prompt), [CompletionOutput(0, "x", [5], "length")], True)
+
+    return build_http_app(lambda: FakeEngine(), Metrics(), "m")
+
+
+def test_priority_is_honoured_only_under_priority_scheduling():
+    from fastapi.testclient import TestClient
+
+    seen: list[int] = []
+    body = {"prompt": [1, 2], "max_tokens": 1}
+    with TestClient(_priority_app("priority", seen)) as client:
+        assert client.post("/v1/completions", json={**body, "priority": -2}).status_code == 200
+    assert seen == [-2]
+    with TestClient(_priority_app("fcfs", seen)) as client:
+        for value in (0, None):
+            assert client.post("/v1/completions", json={**body, "priority": value}).status_code == 200
+        r = client.post("/v1/completions", json={**body, "priority": 3})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "priority" and err["type"] == "invalid_request_error", err
+    assert seen == [-2, 0, 0]
+
+
+@pytest.mark.slow
+def test_nested_unknown_keys_through_the_server(fields_srv):
+    for messages, param in (([{"role": "user", "content": "hi", "weight": 1}], "messages[0].weight"),
+                            ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+                             "messages[0].content[0].type")):
+        status, err = post(fields_srv, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+        assert status == 400 and err["error"]["param"] == param, err
+        assert err["error"]["type"] == "invalid_request_error" and param in err["error"]["message"]
+    status, err = post(fields_srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "priority": 1})
+    assert status == 400 and err["error"]["param"] == "priority", err  # (fcfs here)

@@ -362,7 +362,8 @@ def test_chat_content_parts_and_null_content_with_tool_calls(srv):
     assert status == 200
     status, err = post(srv, "/v1/chat/completions",
                        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
-    assert status == 400 and err["error"]["param"] == "messages" and "image_url" in err["error"]["message"]
+    assert status == 400 and err["error"]["param"] == "messages[0].content[0].type", err
+    assert "image_url" in err["error"]["message"]
 
 
 def test_chat_max_tokens_defaults_to_the_rest_of_the_context(srv):
@@ -423,7 +424,7 @@ VALIDATION = [
     (b'{"prompt": "hi", "stream": "yes"}', "stream"),
     (b'{"prompt": "hi", "echo": 1}', "echo"),
     (b'{"prompt": "hi", "ignore_eos": "no"}', "ignore_eos"),
-    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "messages"),
+    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}', "logprobs"),
 ]
 

@@ -13,31 +13,44 @@ from typing import Any, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
+from pydantic import StrictInt, ValidationError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.common import (EngineFailure, InvalidRequest, NotReady, Overloaded, check_for_model,
-                                    make_sampling_params, stream_outputs, tokenize)
+                                    stream_outputs, tokenize)
 from jaxserve.server.metrics import Metrics
+from jaxserve.server.openai_models import SamplingFields, invalid_request, sampling_params
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("jaxserve.access")
 SERVICE = "jaxserve.v1.Generation"
 
 
-def sampling_from_proto(msg: pb.GenerateRequest) -> dict[str, Any]:
+class GrpcSampling(SamplingFields):
+    """The proto's SamplingParams: the fields the HTTP routes share (openai_models.SamplingFields,
+    the one source), plus logprobs as an int (as on completions)."""
+
+    logprobs: StrictInt | None = None
+
+
+def sampling_from_proto(msg: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams of the request's set fields, read by the shared model's names."""
     s = msg.sampling
     values: dict[str, Any] = {}
-    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "n"):
-        if s.HasField(name):
+    for name, field in s.DESCRIPTOR.fields_by_name.items():
+        if field.is_repeated:  # (no presence: empty means unset)
+            if getattr(s, name):
+                values[name] = list(getattr(s, name))
+        elif s.HasField(name):
             values[name] = getattr(s, name)
-    if s.stop:
-        values["stop"] = list(s.stop)
-    if s.stop_token_ids:
-        values["stop_token_ids"] = list(s.stop_token_ids)
-    return values
+    try:
+        fields = GrpcSampling.model_validate(values)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    return sampling_params(fields, logprobs=fields.logprobs)
 
 
 class GenerationService:
@@ -89,7 +102,7 @@ class GenerationService:
             prompt = req.text if kind == "text" else list(req.token_ids.ids)
             if not prompt:
                 raise InvalidRequest(f"prompt ({kind}) must not be empty", "prompt")
-            params = make_sampling_params(sampling_from_proto(req))
+            params = sampling_from_proto(req)
             engine = self.get_engine()
             if engine is None or not engine.accepting:
                 raise NotReady("the server is not ready (loading, compiling or shutting down)")

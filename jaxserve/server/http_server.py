@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front end (FastAPI): completions, chat completions, models, health, metrics.
 
-Requests are validated here, field by field, before anything reaches the engine; prompts are
+Request bodies are parsed into the pydantic models of server/openai_models.py (every field
+honoured or refused by name) before anything reaches the engine; prompts are
 tokenized (and chat templates applied) in a worker thread, outside the engine's lock, so a big
 prompt stalls neither the event loop nor the running batch. Every error is OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`; a stream that fails after it started sends an
@@ -24,39 +25,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.server import fleet
 from jaxserve.server.common import (Completion, EngineFailure, InvalidRequest, NotFound, NotReady, Overloaded,
-                                    check_for_model, check_sequences, check_text_size, make_sampling_params,
-                                    max_token_chars, stream_outputs)
+                                    check_for_model, check_sequences, check_text_size, max_token_chars,
+                                    stream_outputs)
 from jaxserve.server.metrics import Metrics
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_N
-from jaxserve.server import request_fields, responses_api, tool_calls
-from jaxserve.server.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs_from_body
+from jaxserve.server import responses_api, tool_calls
+from jaxserve.server.openai_models import (ChatCompletionRequest, CompletionRequest, parse_request,
+                                           sampling_params)
+from jaxserve.server.structured_fields import structured_outputs_from_body
 
 access_log = logging.getLogger("jaxserve.access")
 
-# OpenAI name -> SamplingParams name, plus vLLM's extra sampling fields.
-_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-           "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
-           "num_speculative_tokens", "skip_special_tokens")
-# Accepted by OpenAI but not implemented here: refused by name rather than silently ignored. Each
-# maps to the values that mean "not used" (and so are fine to send).
-# (tools, tool_choice, parallel_tool_calls: server/tool_calls.py.)
-_UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_BOOL_FIELDS = ("stream", "echo", "ignore_eos", "return_token_ids", "skip_special_tokens")
-# Chat's tool fields (tools, tool_choice, parallel_tool_calls: server/tool_calls.py; the deprecated
-# functions / function_call: _UNSUPPORTED).
-_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
-# Every top-level body field each route honours or accepts; any other key is a 400 naming it
-# (jaxserve/server/request_fields.py has the accepted-with-no-effect and refused-unless-unused rules).
-_SHARED_FIELDS = ("model", "stream", "stream_options", "logit_bias", "return_token_ids", "best_of", *_FIELDS,
-                  *STRUCTURED_FIELDS)
-ALLOWED_FIELDS: dict[str, frozenset[str]] = {
-    "completions": frozenset({*_SHARED_FIELDS, "prompt", "echo", "logprobs", "suffix",
-                              *request_fields.COMPLETIONS_EXTRA}),
-    # echo and best_of stay known on chat: refused there unless false / 1, as before.
-    "chat": frozenset({*_SHARED_FIELDS, "messages", "echo", "logprobs", "top_logprobs", "max_completion_tokens",
-                       *_TOOL_FIELDS, *request_fields.CHAT_EXTRA}),
-}
 _REQUEST_ID_KEY = fleet.REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 RETRY_AFTER_429 = "1"
 RETRY_AFTER_503 = "5"
@@ -210,58 +188,36 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         model = body.get("model")
         if model is not None and model != model_name:
             raise NotFound(f"the model {model!r} does not exist; this server serves {model_name!r}", "model")
-        for name in _BOOL_FIELDS:
-            if body.get(name) is not None and not isinstance(body[name], bool):
-                raise InvalidRequest(f"{name} must be a boolean, got {body[name]!r}", name)
         return body
 
-    def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-        request_fields.check_fields(body, ALLOWED_FIELDS["chat" if chat else "completions"],
-                                    "/v1/chat/completions" if chat else "/v1/completions")
-        for name, fine in _UNSUPPORTED.items():
-            if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
-                raise InvalidRequest(f"{name} is not supported by this server", name)
-        best_of = body.get("best_of")
-        if best_of is not None and not (chat and best_of == 1 and type(best_of) is int):
-            if chat:  # (OpenAI's chat completions have no best_of)
-                raise InvalidRequest("best_of is only supported by /v1/completions", "best_of")
-            n = body.get("n", 1) if body.get("n") is not None else 1
-            if isinstance(best_of, bool) or not isinstance(best_of, int) or not 1 <= best_of <= MAX_N:
-                raise InvalidRequest(f"best_of must be an integer in [1, {MAX_N}], got {best_of!r}", "best_of")
-            if isinstance(n, int) and not isinstance(n, bool) and best_of < n:
-                raise InvalidRequest(f"best_of ({best_of}) must be >= n ({n})", "best_of")
-            if body.get("stream") and best_of != n:  # the choice is made once every candidate is done
-                raise InvalidRequest("best_of is not supported with stream", "best_of")
-        if chat and body.get("echo"):
-            raise InvalidRequest("echo is only supported by /v1/completions", "echo")
-        if not chat and body.get("echo") and body.get("stream"):
-            raise InvalidRequest("echo is not supported with stream", "echo")
-
-    def sampling(body: dict[str, Any], chat: bool) -> Any:
-        values = {k: body.get(k) for k in _FIELDS}
-        if chat:
-            values["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
-            if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
-                raise InvalidRequest("logprobs must be a boolean in chat completions", "logprobs")
-            top = body.get("top_logprobs")
-            if body.get("logprobs"):
-                values["logprobs"] = 0 if top is None else top
-            elif top is not None:
-                raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    def sampling(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> Any:
+        """SamplingParams of a parsed request (its ranges are checked there)."""
+        extra: dict[str, Any] = {}
+        if isinstance(req, ChatCompletionRequest):
+            extra["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None \
+                else req.max_tokens
+            if req.logprobs:
+                extra["logprobs"] = 0 if req.top_logprobs is None else req.top_logprobs
         else:
-            values["logprobs"] = body.get("logprobs")
-            if body.get("echo") and values["logprobs"] is not None:
-                values["prompt_logprobs"] = values["logprobs"]
-            if values.get("max_tokens") is None:
-                values["max_tokens"] = 16  # OpenAI's completions default
-        if "stop" in body and body["stop"] is not None and not isinstance(body["stop"], (str, list)):
-            raise InvalidRequest(f"stop must be a string or a list of strings, got {body['stop']!r}", "stop")
-        values["logit_bias"] = logit_bias_of(body)
-        params = make_sampling_params(values)
-        params.structured_outputs, _ = structured_outputs_from_body(body)  # (validated there)
-        if chat and values["max_tokens"] is None:
+            extra["logprobs"] = req.logprobs
+            if req.echo and req.logprobs is not None:
+                extra["prompt_logprobs"] = req.logprobs
+            extra["max_tokens"] = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's completions default
+        params = sampling_params(req, **extra)
+        params.structured_outputs, _ = structured_outputs_from_body(dict(req))  # (validated there)
+        if chat and extra["max_tokens"] is None:
             params.max_tokens = None  # OpenAI's chat default: the rest of the context (set per prompt)
         return params
+
+    def priority_of(req: CompletionRequest | ChatCompletionRequest, engine: Any) -> int:
+        """vLLM's `priority` (lower runs first): honoured when the engine schedules by priority;
+        otherwise only 0 / null, as vLLM refuses it ("priority scheduling is not enabled")."""
+        if not req.priority:
+            return 0
+        if engine.engine.config.scheduling_policy != "priority":
+            raise InvalidRequest("priority is only honoured when the server runs --scheduling-policy priority; "
+                                 "send 0 or null", "priority")
+        return req.priority
 
     async def compile_grammar(engine: Any, body: dict[str, Any], params: Any) -> None:
         """Compile a structured-output grammar off the event loop (cached for the engine's use):
@@ -291,66 +247,14 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             raise NotReady("the server is not ready (loading, compiling or shutting down)")
         return engine
 
-    def chat_messages(messages: Any) -> list[dict[str, Any]]:
-        """Validate messages; text parts joined; `content: null` allowed with tool_calls."""
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequest("messages must be a non-empty list", "messages")
-        out = []
-        for i, m in enumerate(messages):
-            where = f"messages[{i}]"
-            if not isinstance(m, dict):
-                raise InvalidRequest(f"{where} must be an object", "messages")
-            role = m.get("role")
-            if role not in _CHAT_ROLES:
-                raise InvalidRequest(f"{where}.role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}", "messages")
-            content = m.get("content")
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    is_text = isinstance(part, dict) and part.get("type") == "text"
-                    if not is_text or not isinstance(part.get("text"), str):
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise InvalidRequest(f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
-                                             "messages")
-                    texts.append(part["text"])
-                content = "\n".join(texts)
-            elif content is None:
-                if not (role == "assistant" and m.get("tool_calls")):
-                    raise InvalidRequest(f"{where}.content may be null only in an assistant message with tool_calls",
-                                         "messages")
-                content = ""
-            elif not isinstance(content, str):
-                raise InvalidRequest(f"{where}.content must be a string or a list of text parts", "messages")
-            if m.get("name") is not None and not isinstance(m["name"], str):
-                raise InvalidRequest(f"{where}.name must be a string", f"{where}.name")
-            msg: dict[str, Any] = {"role": role, "content": content}
-            for extra in ("name", "tool_calls", "tool_call_id"):
-                if m.get(extra) is not None:
-                    msg[extra] = m[extra]
-            out.append(msg)
-        return out
-
-    def completion_prompts(body: dict[str, Any]) -> list[Any]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
-            return [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [prompt]
-        if isinstance(prompt, list) and prompt and all(
-                (isinstance(p, str) and p) or (isinstance(p, list) and p and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
-            return prompt
-        raise InvalidRequest("prompt must be a non-empty string, list of strings, list of token ids or list of "
-                             "token-id lists", "prompt")
-
-    async def prepare(engine: Any, body: dict[str, Any], chat: bool, n: int,
+    async def prepare(engine: Any, req: CompletionRequest | ChatCompletionRequest, chat: bool, n: int,
                       tools: tool_calls.ToolRequest | None = None) -> tuple[list[list[int]], list[str | None]]:
         """Token ids (and text) of every prompt, computed in a worker thread."""
         e = engine.engine
         tokenizer = e.tokenizer
         limit_chars = e.max_model_len * max_token_chars(tokenizer)
         if chat:
-            messages = chat_messages(body.get("messages"))
+            messages = [m.for_template() for m in req.messages]
             total = sum(len(m["content"]) for m in messages)
             if total > limit_chars:  # cannot fit the context, whatever it tokenizes to: skip the work
                 raise InvalidRequest(f"messages hold {total} characters, more than a {e.max_model_len}-token "
@@ -362,7 +266,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
             ids = await asyncio.to_thread(render)
             return [ids], [None]
-        prompts = completion_prompts(body)
+        prompts = req.prompt  # (a list of prompts once parsed)
         check_sequences(len(prompts), n, max_sequences_per_request)
         texts: list[str | None] = []
         for p in prompts:
@@ -414,7 +318,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 "token_logprobs": [e[t] for t, e in zip(comp.token_ids, comp.logprobs)],
                 "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.items()} for e in comp.logprobs]}
 
-    async def run_all(engine, prompts, texts, params, labels: list[str]):
+    async def run_all(engine, prompts, texts, params, labels: list[str], priority: int = 0):
         """Non-streaming: run every prompt to the end (the caller aborts on disconnect)."""
         results: dict[tuple[int, int], Completion] = {}
         prompt_logprobs: dict[int, Any] = {}
@@ -422,7 +326,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
         async def one(pi: int, prompt: Any):
             async for out in stream_outputs(engine, metrics, prompt, params, request_id=labels[pi],
-                                            prompt_text=texts[pi]):
+                                            priority=priority, prompt_text=texts[pi]):
                 comp = out.outputs[0]
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[pi] = out.prompt_logprobs
@@ -453,14 +357,16 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         try:
             client_id = fleet.request_id_from(request.headers)
             body = await body_of(request)
-            refuse_unsupported(body, chat)
-            tools = tool_calls.tools_from_body(body, chat)
+            req = parse_request(body, chat)
+            fields = dict(req)  # (tools and structured outputs: validated by their own modules)
+            tools = tool_calls.tools_from_body(fields, chat)
             engine = engine_or_raise()
-            params = sampling(body, chat)
+            priority = priority_of(req, engine)
+            params = sampling(req, chat)
             if tools is not None and tools.forced:
                 params.structured_outputs = tools.constraint()
             n_out, keep_logprobs = params.n, params.logprobs is not None
-            best_of = None if chat else body.get("best_of")
+            best_of = None if chat else req.best_of
             if best_of is not None and best_of > params.n:
                 # vLLM's best_of: generate best_of candidates, answer with the n of highest
                 # cumulative logprob; each candidate's token logprobs are needed to rank it.
@@ -468,10 +374,10 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 if params.logprobs is None:
                     params.logprobs = 0
             check_for_model(params, engine)
-            await compile_grammar(engine, body, params)
+            await compile_grammar(engine, fields, params)
             if chat:
                 check_sequences(1, params.n, max_sequences_per_request)
-            disconnected, prepared = await _until_disconnect(request, prepare(engine, body, chat, params.n, tools))
+            disconnected, prepared = await _until_disconnect(request, prepare(engine, req, chat, params.n, tools))
             if disconnected:
                 return Response(status_code=499)
             prompts, texts = prepared
@@ -486,14 +392,14 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
             id_header = {fleet.REQUEST_ID_HEADER: client_id or rid}
             created = int(time.time())
             obj = "chat.completion" if chat else "text_completion"
-            want_ids = bool(body.get("return_token_ids"))
-            if body.get("stream"):
-                opts = body.get("stream_options") or {}
-                include_usage = bool(opts.get("include_usage"))
+            want_ids = bool(req.return_token_ids)
+            if req.stream:
+                opts = req.stream_options
+                include_usage = bool(opts and opts.include_usage)
                 # vLLM's extension (guidellm sends it): every chunk carries the usage so far.
-                continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+                continuous = include_usage and bool(opts.continuous_usage_stats)
                 stream = stream_response(engine, prompts, texts, params, rid, labels, created, chat, include_usage,
-                                         want_ids, continuous, tools)
+                                         want_ids, continuous, tools, priority)
                 # Admission errors surface as a 400/429, not mid-stream; a client gone meanwhile aborts it.
                 disconnected, first = await _until_disconnect(request, stream.__anext__())
                 if disconnected:
@@ -501,7 +407,8 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                     return Response(status_code=499)
                 return StreamingResponse(_prepend(first, stream), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **id_header})
-            disconnected, ran = await _until_disconnect(request, run_all(engine, prompts, texts, params, labels))
+            work = run_all(engine, prompts, texts, params, labels, priority)
+            disconnected, ran = await _until_disconnect(request, work)
             if disconnected:  # nobody to answer; the requests were aborted and their pages freed
                 return Response(status_code=499)
             results, usage, prompt_logprobs = ran
@@ -519,7 +426,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
                 elif chat:
                     choice["message"] = {"role": "assistant", "content": comp.text}
                     choice["logprobs"] = logprobs_json(comp, tok, chat)
-                elif body.get("echo"):
+                elif req.echo:
                     choice.update(echo_choice(comp, prompts[pi], texts[pi], prompt_logprobs.get(pi),
                                               keep_logprobs, tok))
                 else:
@@ -540,7 +447,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
     async def stream_response(engine, prompts, texts, params, rid, labels, created, chat, include_usage,
                               want_ids, continuous: bool = False,
-                              tools: tool_calls.ToolRequest | None = None) -> AsyncIterator[str]:
+                              tools: tool_calls.ToolRequest | None = None, priority: int = 0) -> AsyncIterator[str]:
         """SSE chunks. Every engine output with new tokens is sent, even when its text is held
         back (a possible stop string, an incomplete character): its token ids and logprobs count.
         `continuous`: each chunk's usage is the request's so far (prompts seen, tokens generated)."""
@@ -562,7 +469,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
         async def one(pi: int, prompt: Any):
             try:
                 async for out in stream_outputs(engine, metrics, prompt, params, request_id=labels[pi],
-                                                prompt_text=texts[pi]):
+                                                priority=priority, prompt_text=texts[pi]):
                     await queue.put((pi, out))
                 await queue.put((pi, None))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -642,7 +549,7 @@ def build_http_app(get_engine: Callable[[], Any], metrics: Metrics, model_name: 
 
     # OpenAI's Responses API, translated onto the chat route's pieces (server/responses_api.py).
     app.add_api_route("/v1/responses", responses_api.endpoint(responses_api.ChatPath(
-        body_of, engine_or_raise, sampling, compile_grammar, prepare, fit_max_tokens, run_all, _until_disconnect,
+        body_of, parse_request, engine_or_raise, sampling, compile_grammar, prepare, fit_max_tokens, run_all, _until_disconnect,
         error_response, metrics, model_name)), methods=["POST"])
 
     def model_card() -> dict[str, Any]:
@@ -781,32 +688,6 @@ def best_of_choices(results: dict[tuple[int, int], Completion], n: int,
 
 def cumulative_logprob(comp: Completion) -> float:
     return sum(entry[tok] for tok, entry in zip(comp.token_ids, comp.logprobs))
-
-
-def logit_bias_of(body: dict[str, Any]) -> dict[int, Any] | None:
-    """OpenAI's logit_bias, {"token id as a string": bias}, as SamplingParams' {int: bias} (which
-    checks the values and the count; the engine checks ids against the vocabulary)."""
-    bias = body.get("logit_bias")
-    if bias is None:
-        return None
-    if not isinstance(bias, dict):
-        raise InvalidRequest(f"logit_bias must be an object mapping token ids to numbers, got "
-                             f"{type(bias).__name__}", "logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS:  # before parsing keys: the count alone refuses it
-        raise InvalidRequest(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
-    out: dict[int, Any] = {}
-    for key, value in bias.items():
-        text = key.strip()
-        # int() alone would take "1_000" and "+5"; token ids are plain digits (OpenAI's rule too).
-        if not text.isascii() or not text.isdigit() or len(text) > 10:
-            shown = key if len(key) <= 40 else key[:37] + "..."
-            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers as strings), "
-                                 f"got {shown!r}", "logit_bias")
-        tok = int(text)
-        if tok in out:
-            raise InvalidRequest(f"logit_bias names token {tok} twice", "logit_bias")
-        out[tok] = value
-    return out
 
 
 def _check_strings(value: Any, name: str) -> None:

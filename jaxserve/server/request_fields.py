@@ -1,8 +1,8 @@
 """Which top-level request-body fields the OpenAI routes take, and the values a field that has no
 effect here may carry (issue 19: every field is honoured or refused, none silently ignored).
 
-The HTTP server builds each route's allowlist (http_server.ALLOWED_FIELDS) from the fields it
-honours plus the two tables below:
+The request models (jaxserve/server/openai_models.py) declare each route's fields: those it honours
+plus the ones the two tables below name, checked by the table's rule:
 - ACCEPTED_NO_EFFECT: fields that by their definition do not change the tokens (an end-user id,
   billing metadata, a cache key), or SGLang's reasoning switches where no reasoning parser runs.
   Accepted, type-checked.
@@ -15,9 +15,7 @@ unknown fields; we do not, so a typo or an unsupported feature never goes unnoti
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection
-
-from jaxserve.server.common import InvalidRequest
+from typing import Any, Callable
 
 Check = Callable[[Any], bool]
 
@@ -61,11 +59,21 @@ REFUSED_UNLESS_UNUSED: dict[str, tuple[Check, str]] = {
     "return_hidden_states": (_one_of(None, False), "false or null (hidden states are not returned)"),
     # The detokenizer (tokenizers' DecodeStream) has no such switch: special tokens are never spaced.
     "spaces_between_special_tokens": (_one_of(None, True), "true or null (not configurable)"),
+    "suffix": (_one_of(None, ""), "empty or null (no fill-in-the-middle)"),
+    # (tools, tool_choice, parallel_tool_calls are honoured: server/tool_calls.py)
+    "functions": (_one_of(None, []), "empty or null (deprecated: use tools)"),
+    "function_call": (_one_of(None, "none"), "'none' or null (deprecated: use tool_choice)"),
+    # Completions' own fields, kept known on chat: refused there unless unused, as before.
+    "best_of": (_one_of(None, 1), "1 or null (OpenAI's chat completions have no best_of; /v1/completions has)"),
+    "echo": (_one_of(None, False), "false or null (echo is only supported by /v1/completions)"),
 }
 
 # Which of the above each route takes: OpenAI's chat-only fields stay off completions.
-COMPLETIONS_EXTRA = frozenset({"user", "no_stop_trim", "return_hidden_states", "spaces_between_special_tokens"})
-CHAT_EXTRA = frozenset(ACCEPTED_NO_EFFECT) | frozenset(REFUSED_UNLESS_UNUSED)
+COMPLETIONS_EXTRA = frozenset({"user", "no_stop_trim", "return_hidden_states", "spaces_between_special_tokens",
+                               "suffix"})
+CHAT_EXTRA = (frozenset(ACCEPTED_NO_EFFECT) | frozenset(REFUSED_UNLESS_UNUSED)) - {"suffix"}
+# A field's rule, whichever table holds it.
+RULES: dict[str, tuple[Check, str]] = {**ACCEPTED_NO_EFFECT, **REFUSED_UNLESS_UNUSED}
 
 # stream_options: key -> (the check, what it must be).
 STREAM_OPTIONS: dict[str, tuple[Check, str]] = {
@@ -75,34 +83,6 @@ STREAM_OPTIONS: dict[str, tuple[Check, str]] = {
 }
 
 
-def check_fields(body: dict[str, Any], allowed: Collection[str], route: str) -> None:
-    """400 for a key `allowed` lacks, and for a value the tables above refuse, naming the field."""
-    for name in body:
-        if name not in allowed:
-            raise InvalidRequest(f"{name} is not a field of {route} on this server (unknown fields are refused, "
-                                 "not ignored)", name)
-    for table in (ACCEPTED_NO_EFFECT, REFUSED_UNLESS_UNUSED):
-        for name, (ok, expected) in table.items():
-            if name in body and not ok(body[name]):
-                raise InvalidRequest(f"{name} must be {expected}, got {_shown(body[name])}", name)
-    check_stream_options(body.get("stream_options"))
-
-
-def check_stream_options(opts: Any) -> None:
-    if opts is None:
-        return
-    if not isinstance(opts, dict):
-        raise InvalidRequest("stream_options must be an object", "stream_options")
-    for key, value in opts.items():
-        param = f"stream_options.{key}"
-        if key not in STREAM_OPTIONS:
-            raise InvalidRequest(f"{param} is not a stream option of this server (known: "
-                                 f"{', '.join(STREAM_OPTIONS)})", param)
-        ok, expected = STREAM_OPTIONS[key]
-        if not ok(value):
-            raise InvalidRequest(f"{param} must be {expected}, got {_shown(value)}", param)
-
-
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -52,8 +52,9 @@ class ChatPath:
     """The chat route's pieces (closures of build_http_app) that /v1/responses runs on."""
 
     body_of: Callable[[Request], Awaitable[dict[str, Any]]]
+    parse: Callable[[dict[str, Any], bool], Any]  # a chat body -> its ChatCompletionRequest
     engine_or_raise: Callable[[], Any]
-    sampling: Callable[[dict[str, Any], bool], Any]
+    sampling: Callable[[Any, bool], Any]
     compile_grammar: Callable[..., Awaitable[None]]
     prepare: Callable[..., Awaitable[tuple[list[list[int]], list[str | None]]]]
     fit_max_tokens: Callable[..., Any]
@@ -201,6 +202,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     for name in ("user", "safety_identifier", "prompt_cache_key"):  # accepted; they do not steer generation
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidRequest(f"{name} must be a string", name)
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise InvalidRequest("stream must be a boolean", "stream")
     if body.get("store") is not None and not isinstance(body["store"], bool):
         raise InvalidRequest("store must be a boolean", "store")
     metadata = body.get("metadata")
@@ -374,15 +377,16 @@ def endpoint(path: ChatPath) -> Callable[[Request], Awaitable[Response]]:
             body = await path.body_of(request)
             try:
                 chat = chat_body(body)
+                req = path.parse(chat, True)
                 tools = tool_calls.tools_from_body(chat, True)
                 engine = path.engine_or_raise()
-                params = path.sampling(chat, True)
+                params = path.sampling(req, True)
                 if tools is not None and tools.forced:
                     params.structured_outputs = tools.constraint()
                 check_for_model(params, engine)
                 await path.compile_grammar(engine, chat, params)
                 disconnected, prepared = await path.until_disconnect(request,
-                                                                     path.prepare(engine, chat, True, 1, tools))
+                                                                     path.prepare(engine, req, True, 1, tools))
                 if disconnected:
                     return Response(status_code=499)
                 prompts, texts = prepared
