@@ -177,6 +177,26 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
                 "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm") + MOE_LAYER_PARAMS
+# The float [L, in, out] projections a decode-sized CPU step computes with the stacked kernel.
+DENSE_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+DENSE_IMPLS = ("auto", "xla", "cpu_kernel")
+
+
+def resolve_dense_impl(impl: str, w: jax.Array) -> str:
+    """"auto": the CPU stacked kernel when float32 weights live on one CPU device and the kernel
+    builds, else XLA. Decided once when the model is built (static in the compiled step)."""
+    if impl not in DENSE_IMPLS:
+        raise ValueError(f"dense linear impl must be one of {DENSE_IMPLS}; got {impl!r}")
+    if impl != "auto":
+        return impl
+    devices = getattr(w, "sharding", None)
+    devices = devices.device_set if devices is not None else set(jax.devices()[:1])
+    if w.dtype == jnp.float32 and len(devices) == 1 and next(iter(devices)).platform == "cpu":
+        from jaxserve.cpu_kernels.stacked import available
+
+        if available():
+            return "cpu_kernel"
+    return "xla"
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -194,6 +214,9 @@ class LlamaForCausalLM(nnx.Module):
         # linear layers run ("kernel": the CPU jax.ffi kernel, "xla"). Static, set by from_arrays.
         self.quantization = "none"
         self.quant_impl = "xla"
+        # How float projections run in steps of few rows: "cpu_kernel" (jaxserve/cpu_kernels/
+        # stacked_matmul.cc, reading the stacked weights in place) or "xla". Static, set by from_arrays.
+        self.dense_impl = "xla"
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
         self.inv_freq_local = nnx.Variable(jnp.asarray(rope_inv_freq(cfg, local=True)))
         rngs = rngs or nnx.Rngs(0)
@@ -221,7 +244,7 @@ class LlamaForCausalLM(nnx.Module):
     @classmethod
     def from_arrays(cls, cfg: ModelConfig, params: dict[str, jax.Array], dtype: Any = jnp.float32,
                     inv_freq: jax.Array | None = None, quantization: str = "none",
-                    quant_impl: str = "auto") -> "LlamaForCausalLM":
+                    quant_impl: str = "auto", dense_impl: str = "auto") -> "LlamaForCausalLM":
         """A model holding exactly these (already placed, possibly sharded) arrays: it is built
         abstractly first, so no device ever holds randomly initialised or full-size copies.
         quantization "int8": `params` as jaxserve.quantization.quantize_params lays them out."""
@@ -245,6 +268,8 @@ class LlamaForCausalLM(nnx.Module):
         model.quantization = quantization
         if quantization == "int8":
             model.quant_impl = quant.resolve_impl(quant_impl, params["wq"])
+        else:
+            model.dense_impl = resolve_dense_impl(dense_impl, params["wq"])
         if cfg.is_moe:
             from jaxserve.models.moe import expert_mesh_of
 
@@ -301,7 +326,12 @@ class LlamaForCausalLM(nnx.Module):
         layer_params = {n: getattr(self, n)[...] for n in LAYER_PARAMS if n in have}
         layer_params.update({n + "_scale": getattr(self, n + "_scale")[...] for n in LAYER_PARAMS
                              if n + "_scale" in have})
-        mm = self._linear
+        # Decode-sized steps on one CPU: the dense projections read the stacked weights in place
+        # (the kernel); as scan inputs, XLA would copy every layer's slice of them first.
+        from jaxserve.cpu_kernels.stacked import MAX_ROWS, stacked_matmul_cpu
+
+        stacked = ({n: layer_params.pop(n) for n in DENSE_WEIGHTS if n in layer_params}
+                   if self.dense_impl == "cpu_kernel" and T <= MAX_ROWS else {})
         # The pool is viewed flat over layers: layer l's pages are l*num_pages + page. Gathers and
         # scatters then index one array, which XLA updates in place inside the scan carry.
         pool = kv_cache.reshape(L * num_pages, *kv_cache.shape[2:])
@@ -326,6 +356,10 @@ class LlamaForCausalLM(nnx.Module):
         def layer(carry, xs):
             x, pool = carry
             p, l = xs
+
+            def mm(h: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
+                return stacked_matmul_cpu(h, stacked[name], l) if name in stacked else self._linear(h, p, name)
+
             h = rms_norm(x, p["attn_norm"], eps, offset)
             q, k, v = mm(h, p, "wq"), mm(h, p, "wk"), mm(h, p, "wv")
             if cfg.attention_bias:
