@@ -49,6 +49,12 @@ class EngineConfig:
     # Weight-only quantization: "none" or "int8" (symmetric int8, a float32 scale per 32 inputs,
     # quantized at load from any checkpoint and cached; see jaxserve/quantization.py).
     quantization: str = "none"
+    # Float32 on one CPU device: steps of at most 8 rows compute their projections with a kernel of
+    # ours that reads the stacked layer weights in place (XLA copies each layer's slice first):
+    # ~1.5x faster decode at concurrency 1 (docs/benchmarks.md). Off by default: a row's logits
+    # then differ in the last bits between steps of <= 8 and > 8 rows, so outputs are no longer
+    # independent of batch composition (seeded sampling, prompt logprobs of n siblings).
+    cpu_dense_kernel: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ with scripts/benchmark.py (streamed /v1/completions, ignore_eos, so both produce
 counts): low load (greedy, 128 output tokens, concurrency 1 and 8) and high load (128 requests at
 once, prompts 8-120 words, outputs 32-128 tokens, greedy and temperature 0.8 / top_p 0.95,
 unseeded: vLLM's CPU engine dies on seeded requests with chunked prefill). Prints one table of
-output tok/s and median time per output token, with jaxserve/vLLM ratios; the JSON keeps every
+output tok/s and median time per output token, with each server over the last (vLLM); the JSON keeps every
 point and each server's start-up time.
 """
 
@@ -96,7 +96,7 @@ def wait_healthy(proc: subprocess.Popen, base: str, log: Path, timeout: float = 
     raise RuntimeError(f"server not up after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-def server_command(which: str, port: int, args) -> tuple[list[str], dict]:
+def server_command(which: str, port: int, args, jaxserve_args: str = "") -> tuple[list[str], dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if which == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gib)
@@ -104,7 +104,7 @@ def server_command(which: str, port: int, args) -> tuple[list[str], dict]:
                 "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048",
                 "--host", "127.0.0.1", "--port", str(port)], env
     return [sys.executable, "-m", "jaxserve.serve", "--served-model-name", MODEL_NAME, "--http-port", str(port),
-            "--grpc-port", str(free_port()), *args.jaxserve_args.split()], env
+            "--grpc-port", str(free_port()), *jaxserve_args.split()], env
 
 
 def run_server(label: str, cmd: list[str], env: dict, points: list[tuple[str, list[str]]], out: Path) -> dict:
@@ -143,27 +143,29 @@ def run_server(label: str, cmd: list[str], env: dict, points: list[tuple[str, li
 
 
 def print_table(runs: list[dict], points: list[tuple[str, list[str]]]) -> None:
-    """Output tok/s (median TPOT) per point and server; with two servers, the first over the second."""
-    two = len(runs) == 2
+    """Output tok/s (median TPOT) per point and server, and each server over the last one."""
+    ref, others = runs[-1], runs[:-1]
     print("\n| point | " + " | ".join(f"{r['label']} tok/s (TPOT ms)" for r in runs)
-          + (f" | {runs[0]['label']} / {runs[1]['label']} |" if two else " |"))
-    print("|---|" + "---:|" * (len(runs) + two))
+          + "".join(f" | {r['label']} / {ref['label']}" for r in others) + " |")
+    print("|---|" + "---:|" * (len(runs) + len(others)))
     for i, (name, _) in enumerate(points):
         cells = [f"{r['points'][i]['output_throughput']:.1f} ({r['points'][i]['median_tpot_ms']:.1f})" for r in runs]
-        if two:
-            cells.append(f"{runs[0]['points'][i]['output_throughput'] / runs[1]['points'][i]['output_throughput']:.2f}x")
+        cells += [f"{r['points'][i]['output_throughput'] / ref['points'][i]['output_throughput']:.2f}x" for r in others]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print("| start-up (s) | " + " | ".join(f"{r['startup_s']:.0f}" for r in runs) + (" | |" if two else " |"))
+    print("| start-up (s) | " + " | ".join(f"{r['startup_s']:.0f}" for r in runs) + " |" * (len(others) + 1))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=str(Path("~/.cache/jaxserve/vllm-cpu-venv/bin/python").expanduser()))
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB, an integer)")
-    ap.add_argument("--jaxserve-args", default="", help="extra jaxserve.serve flags, space-separated")
+    ap.add_argument("--jaxserve-args", action="append", default=None,
+                    help="extra jaxserve.serve flags, space-separated; repeat for several jaxserve servers")
     ap.add_argument("--only", choices=["both", "vllm", "jaxserve"], default="both")
+    ap.add_argument("--points", default=None, help="comma list of point names to run (default: all)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    points = [p for p in POINTS if args.points is None or p[0] in args.points.split(",")]
     out = args.out or Path(tempfile.gettempdir()) / "bench_vs_vllm.json"
     servers = [s for s in ("jaxserve", "vllm") if args.only in ("both", s)]
     if "vllm" in servers:
@@ -171,10 +173,14 @@ def main() -> None:
         version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                  capture_output=True, text=True, check=True).stdout.strip()
     runs = []
-    for s in servers:
-        cmd, env = server_command(s, free_port(), args)
-        runs.append(run_server("jaxserve" if s == "jaxserve" else f"vllm-cpu {version}", cmd, env, POINTS, out))
-    print_table(runs, POINTS)
+    if "jaxserve" in servers:
+        for extra in args.jaxserve_args or [""]:
+            cmd, env = server_command("jaxserve", free_port(), args, extra)
+            runs.append(run_server(f"jaxserve {extra}".strip(), cmd, env, points, out))
+    if "vllm" in servers:
+        cmd, env = server_command("vllm", free_port(), args)
+        runs.append(run_server(f"vllm-cpu {version}", cmd, env, points, out))
+    print_table(runs, points)
     out.write_text(json.dumps({"runs": runs, "host_cpus": os.cpu_count()}, indent=2))
     print(f"\nJSON: {out}")
 

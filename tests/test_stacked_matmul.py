@@ -1,6 +1,7 @@
-"""The CPU stacked-weight matmul kernel (jaxserve/cpu_kernels/stacked_matmul.cc) against numpy, and
-the model with it against the model on XLA's dots: decode-sized steps use the kernel, larger ones
-XLA, and both give the same logits (float32 rounding apart)."""
+"""The CPU stacked-weight matmul kernel (jaxserve/cpu_kernels/stacked_matmul.cc, opt-in:
+--cpu-dense-kernel) against numpy, and the model with it against the model on XLA's dots:
+decode-sized steps use the kernel, larger ones XLA, and both give the same logits (float32
+rounding apart), and the engine option turns it on."""
 
 from __future__ import annotations
 
@@ -59,14 +60,31 @@ def test_bad_inputs_are_clear_errors():
 
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
 def test_model_logits_equal_xla_at_every_step_size(arch, tiny_checkpoints):
-    """Steps of 1, 5 and 16 rows run on the kernel, 40 rows on XLA's dots: logits as XLA's."""
+    """Steps of 1, 5 and 8 rows run on the kernel, 16 and 40 rows on XLA's dots: logits as XLA's."""
     cfg, params = load_weights(tiny_checkpoints[arch])
     arrays = {k: jnp.asarray(v) for k, v in params.items()}
-    kernel = LlamaForCausalLM.from_arrays(cfg, arrays)
-    xla = LlamaForCausalLM.from_arrays(cfg, arrays, dense_impl="xla")
+    kernel = LlamaForCausalLM.from_arrays(cfg, arrays, dense_impl="auto")
+    xla = LlamaForCausalLM.from_arrays(cfg, arrays)  # (the default)
     assert kernel.dense_impl == "cpu_kernel" and xla.dense_impl == "xla"
     rng = np.random.default_rng(1)
-    for lengths in ([1], [5], [9, 7], [40]):
+    for lengths in ([1], [5], [3, 5], [9, 7], [40]):
         prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in lengths]
         for a, b in zip(prefill_logits(kernel, prompts), prefill_logits(xla, prompts)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_option_turns_the_kernel_on(tiny_checkpoints):
+    """Off by default (batch invariance: see EngineConfig.cpu_dense_kernel); on, greedy tokens equal
+    the default engine's on a short run."""
+    from conftest import small_engine_options
+
+    from jaxserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for on in (False, True):
+        llm = LLM(model=str(tiny_checkpoints["llama3"]), cpu_dense_kernel=on, **small_engine_options())
+        assert llm.engine.runner.model.dense_impl == ("cpu_kernel" if on else "xla")
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10]], params, use_tqdm=False)]
+        llm.engine.close()
+    assert outs[True] == outs[False]

@@ -23,7 +23,7 @@ _FLAGS = ["-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared",
 _TARGET = "jaxserve_stacked_matmul_f32"
 # The most rows the model sends through the kernel: above it XLA's dot (copy included) is faster
 # per row (scripts/bench_stacked_matmul.py).
-MAX_ROWS = 16
+MAX_ROWS = 8
 
 
 @functools.lru_cache(maxsize=None)

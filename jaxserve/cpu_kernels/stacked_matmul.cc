@@ -81,12 +81,12 @@ void Tile(const Problem& p, int64_t o0, int64_t o1) {
 
 struct Job {
   Problem p;
-  int64_t chunks;
+  int64_t chunks, width;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   void Drain() {
     for (int64_t i; (i = next.fetch_add(1)) < chunks;) {
-      Tile(p, i * kOutChunk, std::min(p.out, (i + 1) * kOutChunk));
+      Tile(p, i * width, std::min(p.out, (i + 1) * width));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -105,8 +105,11 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   if (rows == 0 || out == 0) return ffi::Error::Success();
   auto job = std::make_shared<Job>();
   job->p = Problem{x.typed_data(), w.typed_data() + l * in * out, y->typed_data(), rows, in, out};
-  job->chunks = (out + kOutChunk - 1) / kOutChunk;
   const int64_t workers = rows * in * out >= kParallelWork ? pool.num_threads() : 1;
+  // Two work items per thread at least (576 or 1536 outputs over 2 threads in 512-wide items would
+  // leave one thread idle half the call), 16-aligned, at most kOutChunk.
+  job->width = std::min<int64_t>(kOutChunk, ((out + 2 * workers - 1) / (2 * workers) + 15) / 16 * 16);
+  job->chunks = (out + job->width - 1) / job->width;
   const int64_t helpers = std::min<int64_t>(workers, job->chunks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Drain(); });
   job->Drain();

@@ -214,7 +214,8 @@ class LLMEngine:
         def place(model_cfg: Any, served: Any, weights: Any, mesh: Any, quantization: str = "none") -> LlamaForCausalLM:
             arrays = parallel.shard_params(weights, mesh, dtype)  # each device gets only its slices
             inv_freq = jax.device_put(rope_inv_freq(model_cfg), parallel.replicated(mesh))
-            return LlamaForCausalLM.from_arrays(served, arrays, dtype, inv_freq, quantization=quantization)
+            return LlamaForCausalLM.from_arrays(served, arrays, dtype, inv_freq, quantization=quantization,
+                                                dense_impl="auto" if config.cpu_dense_kernel else "xla")
 
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
             model = place(cfg, served_cfg, params, mesh, config.quantization)

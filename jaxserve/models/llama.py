@@ -244,7 +244,7 @@ class LlamaForCausalLM(nnx.Module):
     @classmethod
     def from_arrays(cls, cfg: ModelConfig, params: dict[str, jax.Array], dtype: Any = jnp.float32,
                     inv_freq: jax.Array | None = None, quantization: str = "none",
-                    quant_impl: str = "auto", dense_impl: str = "auto") -> "LlamaForCausalLM":
+                    quant_impl: str = "auto", dense_impl: str = "xla") -> "LlamaForCausalLM":
         """A model holding exactly these (already placed, possibly sharded) arrays: it is built
         abstractly first, so no device ever holds randomly initialised or full-size copies.
         quantization "int8": `params` as jaxserve.quantization.quantize_params lays them out."""
