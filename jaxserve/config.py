@@ -51,7 +51,7 @@ class EngineConfig:
     quantization: str = "none"
     # Float32 on one CPU device: steps of at most 8 rows compute their projections with a kernel of
     # ours that reads the stacked layer weights in place (XLA copies each layer's slice first):
-    # ~1.5x faster decode at concurrency 1 (docs/benchmarks.md). Off by default: a row's logits
+    # 1.31x faster decode at concurrency 1 through the server (docs/benchmarks.md). Off by default: a row's logits
     # then differ in the last bits between steps of <= 8 and > 8 rows, so outputs are no longer
     # independent of batch composition (seeded sampling, prompt logprobs of n siblings).
     cpu_dense_kernel: bool = False
