@@ -78,9 +78,9 @@ def resolve_impl(impl: str, q: jax.Array) -> str:
         raise ValueError(f"quantized linear impl must be one of {IMPLS}; got {impl!r}")
     if impl != "auto":
         return impl
-    devices = getattr(q, "sharding", None)
-    devices = devices.device_set if devices is not None else set(jax.devices()[:1])
-    if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+    from jaxserve.cpu_kernels import on_one_cpu
+
+    if on_one_cpu(q):
         from jaxserve.cpu_kernels.int8 import available
 
         if available():

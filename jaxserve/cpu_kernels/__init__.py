@@ -36,6 +36,13 @@ _SYMBOLS = {"jaxserve_rpa_f32": "RaggedPagedAttentionF32", "jaxserve_rpa_bf16": 
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 
 
+def on_one_cpu(array: jax.Array) -> bool:
+    """Whether `array` lives on a single CPU device (where our kernels may replace XLA's ops)."""
+    sharding = getattr(array, "sharding", None)
+    devices = sharding.device_set if sharding is not None else set(jax.devices()[:1])
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
 def _cpu_fingerprint() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()

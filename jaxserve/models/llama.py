@@ -189,9 +189,9 @@ def resolve_dense_impl(impl: str, w: jax.Array) -> str:
         raise ValueError(f"dense linear impl must be one of {DENSE_IMPLS}; got {impl!r}")
     if impl != "auto":
         return impl
-    devices = getattr(w, "sharding", None)
-    devices = devices.device_set if devices is not None else set(jax.devices()[:1])
-    if w.dtype == jnp.float32 and len(devices) == 1 and next(iter(devices)).platform == "cpu":
+    from jaxserve.cpu_kernels import on_one_cpu
+
+    if w.dtype == jnp.float32 and on_one_cpu(w):
         from jaxserve.cpu_kernels.stacked import available
 
         if available():
