@@ -22,6 +22,10 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: float = 1.0  # GiB for the KV pool when num_pages is None
+    # The KV pool's dtype: "auto" (the model's), "float32", "bfloat16", "float16", "int8" or "fp8_e4m3"
+    # ("fp8" = e4m3, as in vLLM). An 8-bit pool holds twice bfloat16's tokens in the same memory,
+    # with static per-layer, per-head scales calibrated at start-up (jaxserve/kv_quant.py).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas" | "cpu" | "xla-reference" (the test oracle)
     scheduler: str = "continuous"  # or "static"
@@ -79,6 +83,9 @@ class EngineConfig:
             positive("max_model_len")
         if not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory!r}")
+        from jaxserve.kv_quant import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.scheduler not in ("continuous", "static"):
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {self.scheduler!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "lpm"):

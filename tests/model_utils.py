@@ -6,13 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata, get_attention_fn
+from jaxserve.attention import AttentionMetadata, get_attention_fn, write_kv
+from jaxserve.kv_quant import is_8bit, with_kv_scales
 
 
-def prefill_logits(model, prompts: list[list[int]], page_size: int = 16, attention_fn=None) -> list[np.ndarray]:
-    """Logits [len, V] of every position of each prompt, all prompts in one ragged batch."""
+def prefill_logits(model, prompts: list[list[int]], page_size: int = 16, attention_fn=None, kv_dtype=None,
+                   kv_scales=None) -> list[np.ndarray]:
+    """Logits [len, V] of every position of each prompt, all prompts in one ragged batch; with
+    `kv_dtype` 8-bit, through a pool of that dtype and `kv_scales` (jaxserve.kv_quant)."""
     cfg = model.cfg
     attention_fn = attention_fn or get_attention_fn("xla")
+    kv_write_fn = write_kv
     pages_per = [-(-len(p) // page_size) for p in prompts]
     num_pages = 1 + sum(pages_per)
     max_pages = max(pages_per)
@@ -32,7 +36,9 @@ def prefill_logits(model, prompts: list[list[int]], page_size: int = 16, attenti
         kv_lens=jnp.asarray([len(p) for p in prompts], jnp.int32), page_tables=jnp.asarray(tables),
         cu_q_lens=jnp.asarray(cu, jnp.int32), num_seqs=jnp.asarray([len(prompts)], jnp.int32),
     )
-    kv = jnp.zeros((cfg.num_layers, num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim), model.dtype)
-    hidden, _ = model(jnp.asarray(tokens, jnp.int32), md, kv, attention_fn)
+    if kv_dtype is not None and is_8bit(kv_dtype):
+        attention_fn, kv_write_fn = with_kv_scales(attention_fn, write_kv, kv_scales, num_pages, page_size)
+    kv = jnp.zeros((cfg.num_layers, num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim), kv_dtype or model.dtype)
+    hidden, _ = model(jnp.asarray(tokens, jnp.int32), md, kv, attention_fn, kv_write_fn)
     logits = np.asarray(model.compute_logits(hidden))
     return [logits[cu[i]: cu[i + 1]] for i in range(len(prompts))]

@@ -27,6 +27,7 @@ from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilati
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.speculative import SpecDecodeStats, SpeculativeConfig
 from jaxserve.engine.structured import GrammarCompiler
+from jaxserve.kv_quant import CALIBRATION_TEXT, KVScales, calibrate, is_8bit, storage_dtype
 from jaxserve.models.llama import rope_inv_freq
 from jaxserve.sampling_params import SamplingParams
 
@@ -192,9 +193,9 @@ class LLMEngine:
         self.served_model_config = served_cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
-        dtype_bytes = np.dtype(dtype).itemsize
+        self.kv_dtype = storage_dtype(config.kv_cache_dtype, dtype, self.mesh.devices.flat[0].platform)
         # kv_cache_memory is per device: each device holds 1/tp of the (served) KV heads.
-        bytes_per_page = served_cfg.kv_bytes_per_token // 4 * dtype_bytes * page_size // tp
+        bytes_per_page = served_cfg.kv_bytes_per_token // 4 * self.kv_dtype.itemsize * page_size // tp
         num_pages = config.num_pages or max(2, int(config.kv_cache_memory * 2**30 // bytes_per_page))
         self.num_pages = num_pages  # per replica
         max_pages_per_seq = -(-self.max_model_len // page_size)
@@ -217,8 +218,11 @@ class LLMEngine:
             return LlamaForCausalLM.from_arrays(served, arrays, dtype, inv_freq, quantization=quantization,
                                                 dense_impl="auto" if config.cpu_dense_kernel else "xla")
 
+        kv_scales = None
         for index, mesh in enumerate(parallel.replica_meshes(self.mesh)):
             model = place(cfg, served_cfg, params, mesh, config.quantization)
+            if is_8bit(self.kv_dtype) and kv_scales is None:  # replicas share the first one's scales
+                kv_scales = self._calibrate_kv_scales(model, page_size)
             if quantized:
                 log.info("int8 linear layers run on %s", "the CPU kernel (jax.ffi)" if model.quant_impl == "kernel"
                          else "XLA (int8 weights dequantized inside the dot)")
@@ -229,7 +233,8 @@ class LLMEngine:
 
                 prefix_cache = RadixCache(pool, make_event_recorder(index) if make_event_recorder else None)
             runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
-                                 config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs)
+                                 config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs,
+                                 kv_dtype=self.kv_dtype, kv_scales=kv_scales)
             drafter = None
             if draft is not None:
                 # The draft model on the replica's devices, with a pool of as many pages as the target's.
@@ -255,9 +260,9 @@ class LLMEngine:
         self.pool, self.prefix_cache, self.scheduler, self.runner = (first.pool, first.prefix_cache,
                                                                      first.scheduler, first.runner)
         self.load_seconds = time.perf_counter() - t0
-        log.info("model %s (%s, %d layers), dtype %s, mesh %s, KV pool %d pages x %d tokens = %.2f GiB per replica, "
-                 "buckets T=%s P=%s", config.model or "default SmolLM2-135M-Instruct", cfg.architecture,
-                 cfg.num_layers, config.dtype, config.mesh, num_pages, page_size,
+        log.info("model %s (%s, %d layers), dtype %s, mesh %s, KV pool %d pages x %d tokens of %s = %.2f GiB per "
+                 "replica, buckets T=%s P=%s", config.model or "default SmolLM2-135M-Instruct", cfg.architecture,
+                 cfg.num_layers, config.dtype, config.mesh, num_pages, page_size, self.kv_dtype.name,
                  self.runner.kv_cache_bytes / 2**30, self.buckets.token_buckets, self.buckets.page_buckets)
         # Multi-host: every process runs this constructor; process 0 drives the others' steps.
         self.multihost = jax.process_count() > 1
@@ -296,6 +301,15 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         # Structured output: grammars compiled against our tokenizer (llguidance's, built on first use).
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+
+    def _calibrate_kv_scales(self, model: Any, page_size: int) -> KVScales:
+        t0 = time.perf_counter()
+        ids = list(self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True).input_ids)[: self.max_model_len]
+        scales = calibrate(model, ids, page_size, self.kv_dtype)
+        log.info("KV cache %s: static scales per layer and head, calibrated on %d tokens in %.1f s "
+                 "(K scale %.3g..%.3g, V scale %.3g..%.3g)", self.kv_dtype.name, len(ids), time.perf_counter() - t0,
+                 float(scales.k.min()), float(scales.k.max()), float(scales.v.min()), float(scales.v.max()))
+        return scales
 
     def _load_draft_model(self, target_cfg: Any, tp: int, dtype: str) -> tuple[Any, Any, Any]:
         """(config, served config, weights) of the draft checkpoint, its heads laid out for the

@@ -30,6 +30,7 @@ from jaxserve.engine.sampler import (SampleOutput, SamplingArrays, empty_penalty
                                      no_logit_bias, pack_logit_bias, pack_sampling, packed_sampling_size, sample,
                                      sample_with_state, unpack_sampling)
 from jaxserve.engine.scheduler import StepPlan
+from jaxserve.kv_quant import KVScales, is_8bit, with_kv_scales
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxserve.models.llama import LlamaForCausalLM
 
@@ -131,7 +132,9 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, buckets: Buckets,
                  history_len: int, attention_backend: str = "auto", mesh: Any = None,
-                 num_penalty_slots: int | None = None):
+                 num_penalty_slots: int | None = None, kv_dtype: Any = None, kv_scales: KVScales | None = None):
+        """kv_dtype: the pool's dtype (None: the model's); an 8-bit one needs `kv_scales`
+        (jaxserve.kv_quant)."""
         self.model = model
         self.buckets = buckets
         self.history_len = history_len
@@ -141,6 +144,10 @@ class ModelRunner:
                                      1 if mesh is None else mesh.shape["model"])
         self.kv_shape = pool_shape(self.kv_layout, cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
                                    cfg.head_dim)
+        self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
+        self.kv_scales = kv_scales
+        if is_8bit(self.kv_dtype) and kv_scales is None:
+            raise ValueError(f"a {self.kv_dtype.name} KV pool needs its scales (kv_quant.calibrate)")
         attention_fn, kv_write_fn = with_pool_layout(get_attention_fn(attention_backend), write_kv,
                                                      self.kv_layout, page_size)
         self._kv_sharding = self._input_sharding = None
@@ -154,7 +161,11 @@ class ModelRunner:
             if mesh.shape["model"] > 1:
                 attention_fn = parallel.shard_attention(attention_fn, mesh)
                 kv_write_fn = parallel.shard_kv_write(write_kv, mesh)
-        self.kv_cache = jax.jit(lambda: jnp.zeros(self.kv_shape, model.dtype), out_shardings=self._kv_sharding)()
+        if is_8bit(self.kv_dtype):  # outermost: the scales apply to whole (unsharded) heads
+            if mesh is not None:
+                kv_scales = jax.device_put(kv_scales, self._input_sharding)
+            attention_fn, kv_write_fn = with_kv_scales(attention_fn, kv_write_fn, kv_scales, num_pages, page_size)
+        self.kv_cache = jax.jit(lambda: jnp.zeros(self.kv_shape, self.kv_dtype), out_shardings=self._kv_sharding)()
         self.graphdef, self.state = nnx.split(model)
 
         def step(state, kv_cache, packed, prev_ids, *, bucket):
@@ -211,7 +222,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return int(np.prod(self.kv_shape)) * jnp.dtype(self.model.dtype).itemsize
+        return int(np.prod(self.kv_shape)) * self.kv_dtype.itemsize
 
     def _abstract_args(self, T: int, S: int, P: int) -> tuple:
         rep = self._input_sharding  # step inputs are replicated over the replica's devices
@@ -220,7 +231,7 @@ class ModelRunner:
                                cu_q_lens=i32(S + 1), num_seqs=i32(1))
         samp = SamplingArrays(**{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                                  for k, v in empty_sampling_arrays(S, self.history_len).items()})
-        kv = jax.ShapeDtypeStruct(self.kv_shape, self.model.dtype, sharding=self._kv_sharding)
+        kv = jax.ShapeDtypeStruct(self.kv_shape, self.kv_dtype, sharding=self._kv_sharding)
         return self.state, kv, i32(T), md, i32(S), samp, i32(T), i32(T), i32(self.max_seqs)
 
     def compile_bucket(self, bucket: tuple[int, int, int]) -> tuple[Any, Any]:
@@ -229,7 +240,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             rep = self._input_sharding
             i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731
-            kv = jax.ShapeDtypeStruct(self.kv_shape, self.model.dtype, sharding=self._kv_sharding)
+            kv = jax.ShapeDtypeStruct(self.kv_shape, self.kv_dtype, sharding=self._kv_sharding)
             prev_ids = i32(self.max_seqs)
             self._compiled[bucket] = self._step.lower(self.state, kv, i32(packed_step_size(*bucket)), prev_ids,
                                                       bucket=bucket).compile()

@@ -94,15 +94,15 @@ class VllmMetrics:
         self._spec_seen = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                            list(stats.accepted_per_pos))
 
-    def set_cache_config(self, config: Any, num_pages: int, page_size: int) -> None:
-        """num_pages: the usable KV pages of all replicas (the null page excluded); the KV cache
-        is kept in the model's dtype, so that is cache_dtype."""
+    def set_cache_config(self, config: Any, num_pages: int, page_size: int, cache_dtype: str) -> None:
+        """num_pages: the usable KV pages of all replicas (the null page excluded); cache_dtype
+        is the pool's dtype (vLLM's label: "auto" there means the model's)."""
         if self._cache_config_set:
             return
         self._cache_config_set = True
         self.cache_config.labels(
             **self.label_values, block_size=str(page_size), num_gpu_blocks=str(num_pages), num_cpu_blocks="0",
-            enable_prefix_caching=str(bool(config.enable_prefix_caching)), cache_dtype=str(config.dtype)).set(1)
+            enable_prefix_caching=str(bool(config.enable_prefix_caching)), cache_dtype=cache_dtype).set(1)
 
 
 class Metrics:
@@ -172,7 +172,7 @@ class Metrics:
         self.compiles.set(e.compiles_after_warmup)
         if getattr(e, "speculative", None) is not None:
             v.count_spec_decode(e.spec_decode_stats)
-        v.set_cache_config(e.config, (e.num_pages - 1) * len(e.replicas), e.pool.page_size)
+        v.set_cache_config(e.config, (e.num_pages - 1) * len(e.replicas), e.pool.page_size, e.kv_dtype.name)
 
     # ---- per-request observations, recorded under both families --------------------------------
     def observe_queue(self, seconds: float) -> None:
