@@ -115,7 +115,24 @@ KV8_CASES = [
         Case("smollm2 step kv8", 9, 3, 64, 32, "bfloat16", 64, 64, 32, layers=2, slab_pool=True, kv_dtype=kv),
         Case("llama3-8b kv8", 32, 8, 128, 16, "bfloat16", 512, 64, 512, kv_dtype=kv),
     )
-] + [Case("smollm2 kv8 page 16", 9, 3, 64, 16, "bfloat16", 64, 64, 128, kv_dtype="int8", expect_error="page_size")]
+] + [
+    # The runner's own step (lane-dense pool, its KV write) with an int8 pool.
+    Case("smollm2 engine kv8", 9, 3, 64, 32, "bfloat16", 64, 64, 32, layers=2, slab_pool=True, engine_step=True,
+         kv_dtype="int8"),
+    # The other slab layouts of 8-bit words: f32 q on d64 (4-D pool), MQA d128 (a word straddles
+    # two tokens), head_dim 256 with window and soft cap.
+    Case("smollm2 kv8", 9, 3, 64, 32, "float32", 512, 64, 64, kv_dtype="int8"),
+    Case("mqa d128 kv8", 8, 1, 128, 16, "bfloat16", 128, 64, 128, kv_dtype="float8_e4m3fn"),
+    # ... and its step: an 8-bit [N, page, 2, 128] pool is copied twice around the kernel by XLA
+    # (its 8-bit tiling of a 2-row minor dim); the lane-dense pool is not.
+    Case("mqa d128 step kv8", 8, 1, 128, 16, "bfloat16", 64, 64, 32, layers=2, slab_pool=True,
+         kv_dtype="float8_e4m3fn"),
+    Case("gemma2-2b kv8", 8, 4, 256, 16, "bfloat16", 512, 64, 512, sliding_window=4096, soft_cap=50.0,
+         kv_dtype="int8"),
+    Case("smollm2 kv8 page 16", 9, 3, 64, 16, "bfloat16", 64, 64, 128, kv_dtype="int8", expect_error="page_size"),
+]
+# v4 / v5p: the two models' 8-bit cases (the layouts' code paths are the same on every chip).
+KV8_SMALL = [c for c in KV8_CASES if c.name in ("smollm2 step kv8", "llama3-8b kv8")]
 
 
 CASES = _cases()
@@ -126,7 +143,7 @@ SMALL = [c for c in CASES if c.name in ("smollm2", "llama3-8b") and c.page_size 
 MATRIX: list[tuple[str, Case]] = ([(chip, c) for chip in ("v5e", "v6e") for c in CASES
                                    if not (chip == "v6e" and c.block_q)]
                                   + [(chip, c) for chip in ("v4", "v5p") for c in SMALL if c.dtype == "bfloat16"]
-                                  + [(chip, c) for chip in ("v4", "v5p") for c in KV8_CASES if not c.expect_error])
+                                  + [(chip, c) for chip in ("v4", "v5p") for c in KV8_SMALL])
 
 _TOPOLOGIES: dict = {}
 
@@ -331,7 +348,7 @@ def _engine_step(case: Case, kw: dict, sds, meta, num_pages: int):
     abstract_state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
     i32 = sds((t,), jnp.int32)
     kv_lens, pt, cu, ns = meta
-    args = (abstract_state, sds(shape, dtype), i32, i32, i32, kv_lens, pt, cu, ns)
+    args = (abstract_state, sds(shape, jnp.dtype(case.pool_dtype)), i32, i32, i32, kv_lens, pt, cu, ns)
     return jax.jit(step, donate_argnums=(1,)), args, math.prod(shape)
 
 

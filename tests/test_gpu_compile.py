@@ -76,6 +76,11 @@ class Shape:
         """Bytes per element of the tiles the dots use (8-bit pools are upcast to f32)."""
         return kv_compute_dtype(self.kv_dtype or self.dtype).itemsize
 
+    @property
+    def load_itemsize(self) -> int:
+        """Bytes per element of the pool as loaded."""
+        return jnp.dtype(self.kv_dtype or self.dtype).itemsize
+
 
 # Every architecture we load at its real head shapes; head_dim 64/128/256, bf16 and f32, pages
 # 16/32/64, the engine's largest buckets (8K context for the 8B shapes). f32 compiles ~5x slower
@@ -97,6 +102,7 @@ MATRIX = [
     Shape("smollm2", 3, 3, 64, 16, "bfloat16", kv_dtype="float8_e4m3fn"),
     Shape("llama3_8b", 8, 4, 128, 16, "bfloat16", pages_per_seq=512, kv_dtype="int8"),
     Shape("llama3_8b", 8, 4, 128, 16, "bfloat16", pages_per_seq=512, kv_dtype="float8_e4m3fn"),
+    Shape("gemma_like", 4, 2, 256, 16, "bfloat16", soft_cap=50.0, kv_dtype="int8"),  # block_kv shrinks to fit
 ]
 CLAMP_SHAPE = next(m for m in MATRIX if m.head_dim == 256 and m.dtype == "float32")
 
@@ -264,7 +270,8 @@ def expected_blocks(s: Shape, kernel: str) -> tuple[int, int, bool]:
     itemsize = s.compute_itemsize
     g_pad = max(16, 1 << (s.group - 1).bit_length())
     bq, bkv = _fit_blocks(rows_decode=g_pad, block_q=None, block_kv=None, head_dim=s.head_dim, itemsize=itemsize,
-                          num_warps=HOPPER.num_warps, blocks=HOPPER, kind=TARGET, dtype_name=s.dtype, kv_from="")
+                          num_warps=HOPPER.num_warps, blocks=HOPPER, kind=TARGET, dtype_name=s.dtype, kv_from="",
+                          load_itemsize=s.load_itemsize)
     rows = g_pad if "decode" in kernel else bq
     return rows, bkv, "prefill" in kernel and uses_wgmma(rows, itemsize, HOPPER.num_warps, HOPPER.cc)
 
@@ -315,7 +322,7 @@ def test_kernels_compile_for_sm90(shape: Shape):
         rows, block_kv, wgmma = expected_blocks(shape, m["name"])
         assert f"tensor<{block_kv}x{shape.head_dim}x!tt.ptr" in m["ttir"]  # K/V tiles of the size we think
         assert f"tensor<{rows}x{shape.head_dim}x!tt.ptr" in m["ttir"]  # the query tile
-        est = shared_bytes_estimate(rows, block_kv, shape.head_dim, itemsize, wgmma)
+        est = shared_bytes_estimate(rows, block_kv, shape.head_dim, itemsize, wgmma, shape.load_itemsize)
         assert est >= m["shared"], (m["name"], est, m["shared"])  # the estimate is an upper bound ...
         assert est <= 1.05 * m["shared"] + 2048, (m["name"], est, m["shared"])  # ... and a tight one
     prefill = next(m for m in mods if "prefill" in m["name"])
@@ -363,6 +370,21 @@ def test_default_blocks_clamp_to_fit():
     assert prefill["shared"] <= HOPPER.shared_bytes
 
 
+def test_fp8_pool_before_sm89_is_a_clear_error():
+    """Triton cannot convert fp8 on sm_80 (it aborts: "LLVM ERROR: Conversion from/to f8e4m3nv is only
+    supported on compute capability >= 89"): an fp8 pool on an A100 is refused while tracing; int8
+    is fine there, and fp8 on sm_89+ (checked by the matrix for sm_90)."""
+    s = next(m for m in MATRIX if m.kv_dtype == "float8_e4m3fn")
+    lower = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1)).trace
+    with aot_target("NVIDIA A100-SXM4-80GB"):
+        with pytest.raises(ValueError, match="float8_e4m3fn KV pool needs compute capability >= 8.9"):
+            lower(*_args(s)).lower(lowering_platforms=("cuda",))
+        int8 = [jax.ShapeDtypeStruct(a.shape, jnp.int8) if i == 1 else a for i, a in enumerate(_args(s))]
+        lower(*int8).lower(lowering_platforms=("cuda",))
+    with aot_target("NVIDIA L4"):
+        lower(*_args(s)).lower(lowering_platforms=("cuda",))
+
+
 def test_pool_past_int32_offsets_is_a_clear_error():
     s = MATRIX[2]
     args = list(_args(s))
@@ -387,7 +409,7 @@ def main() -> None:
             x = xla.get(s.id, {}).get("kernels", {}).get(name, {})
             t = tri.get(name, {})
             rows, kv, wg = expected_blocks(s, name)
-            est = shared_bytes_estimate(rows, kv, s.head_dim, s.compute_itemsize, wg)
+            est = shared_bytes_estimate(rows, kv, s.head_dim, s.compute_itemsize, wg, s.load_itemsize)
             src = x or t
             tc = "wgmma" if src.get("wgmma") else ("mma.sync" if src.get("mma_sync") else "none (FMA)")
             fits = max(x.get("shared", 0), t.get("shared", 0)) <= HOPPER.shared_bytes

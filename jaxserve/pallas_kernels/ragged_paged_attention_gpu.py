@@ -127,7 +127,8 @@ def uses_wgmma(rows: int, itemsize: int, num_warps: int, cc: int) -> bool:
     return cc >= 90 and itemsize == 2 and rows % 64 == 0 and num_warps % 4 == 0
 
 
-def shared_bytes_estimate(rows: int, block_kv: int, head_dim: int, itemsize: int, wgmma: bool) -> int:
+def shared_bytes_estimate(rows: int, block_kv: int, head_dim: int, itemsize: int, wgmma: bool,
+                          load_itemsize: int | None = None) -> int:
     """Shared memory Triton allocates for one program of these kernels (rows query rows).
 
     Fitted to Triton 3.9's sm_90 allocation over head_dim 64/128/256, bf16/f32, rows 16-128,
@@ -135,7 +136,12 @@ def shared_bytes_estimate(rows: int, block_kv: int, head_dim: int, itemsize: int
     keeps it an upper bound within 5% + 2 KB of both):
     mma.sync/FMA tiles hold K, V and a layout copy of one of them (3 x block_kv x D), the P tile
     (rows x block_kv) and Q (rows x D); wgmma tiles stage K and V twice (4 x block_kv x D) plus Q.
+    8-bit pools (load_itemsize 1 < itemsize 4, FMA): K and V as loaded plus their f32 copies, and
+    Q; measured 84/88 KB (d64) and 168/176 KB (d128) at 16/32 rows x 128 slots, exactly this
+    less the 1 KB, by XLA's Triton for sm_90 (tests/test_gpu_compile.py also checks d256).
     """
+    if load_itemsize is not None and load_itemsize < itemsize:
+        return block_kv * head_dim * 2 * (load_itemsize + itemsize) + rows * head_dim * itemsize + 1024
     base = itemsize * (block_kv * (3 * head_dim + rows) + rows * head_dim)
     if wgmma:
         base = max(base, itemsize * (4 * head_dim * block_kv + rows * head_dim))
@@ -266,7 +272,7 @@ def _row_block_seq_ranges(cu_q_lens: jax.Array, num_blocks: int, block_rows: int
 
 def _fit_blocks(*, rows_decode: int, block_q: int | None, block_kv: int | None, head_dim: int, itemsize: int,
                 num_warps: int, blocks: GpuBlocks, kind: str, dtype_name: str,
-                kv_from: str) -> tuple[int, int]:
+                kv_from: str, load_itemsize: int | None = None) -> tuple[int, int]:
     """Block sizes whose tiles fit the device's shared memory: defaults shrink to fit, explicit
     settings that do not fit are an error (raised while tracing, i.e. at start-up warm-up, before
     any compiler runs)."""
@@ -277,8 +283,9 @@ def _fit_blocks(*, rows_decode: int, block_q: int | None, block_kv: int | None, 
         block_kv = blocks.block_kv
 
     def need(bq: int, bkv: int) -> tuple[int, str]:
-        dec = shared_bytes_estimate(rows_decode, bkv, head_dim, itemsize, False)
-        pre = shared_bytes_estimate(bq, bkv, head_dim, itemsize, uses_wgmma(bq, itemsize, num_warps, blocks.cc))
+        dec = shared_bytes_estimate(rows_decode, bkv, head_dim, itemsize, False, load_itemsize)
+        pre = shared_bytes_estimate(bq, bkv, head_dim, itemsize, uses_wgmma(bq, itemsize, num_warps, blocks.cc),
+                                    load_itemsize)
         return (dec, "decode") if dec > pre else (pre, "prefill")
 
     while need(block_q, block_kv)[0] > blocks.shared_bytes:
@@ -354,9 +361,16 @@ def ragged_paged_attention_gpu(
         block_q = block_q or (blocks.block_q_16bit if itemsize == 2 else blocks.block_q_f32)
         block_kv = block_kv or blocks.block_kv
     else:
+        if kv_pages.dtype == jnp.float8_e4m3fn and blocks.cc < 89:
+            # Triton 3.9 for sm_80 aborts the process: "LLVM ERROR: Conversion from/to f8e4m3nv is only
+            # supported on compute capability >= 89" (tests/test_gpu_compile.py); refuse it while tracing.
+            raise ValueError(
+                f"GPU attention: a float8_e4m3fn KV pool needs compute capability >= 8.9 (Ada, Hopper) for "
+                f"Triton's fp8 conversion; {kind or 'the target'} is sm_{blocks.cc}. Use kv_cache_dtype int8 there")
         block_q, block_kv = _fit_blocks(rows_decode=g_pad, block_q=block_q, block_kv=block_kv, head_dim=head_dim,
                                         itemsize=itemsize, num_warps=num_warps, blocks=blocks, kind=kind,
-                                        dtype_name=jnp.dtype(kv_pages.dtype).name, kv_from=kv_from)
+                                        dtype_name=jnp.dtype(kv_pages.dtype).name, kv_from=kv_from,
+                                        load_itemsize=jnp.dtype(kv_pages.dtype).itemsize)
         if kv_pages.size > _MAX_POOL_ELEMENTS:
             raise ValueError(
                 f"GPU attention: the KV pool has {kv_pages.size:,} elements ({kv_pages.shape}), past the 2^31 that the "
