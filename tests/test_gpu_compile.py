@@ -12,7 +12,8 @@ Two routes, the first one available wins for the matrix:
   * The ``triton`` wheel (``.[compile-gpu]``): the Triton IR Pallas emits, compiled by Triton 3.9
     (TTIR -> TTGIR -> LLVM -> PTX -> its bundled ptxas). A close proxy for XLA's bundled Triton.
 Either way: compiles, fits 227 KB of shared memory per block, within our estimate (an upper bound
-within ~2 KB), bf16 prefill on Hopper's wgmma. Without either package the matrix skips with the
+within ~2 KB), bf16 prefill on Hopper's wgmma. 8-bit pools (int8, float8_e4m3fn) are in the matrix
+too: 1-byte loads upcast to f32 tiles (FMA); fp8 before sm_89 is refused up front. Without either package the matrix skips with the
 install command as the reason. ``python tests/test_gpu_compile.py`` prints the matrix as a table.
 """
 
