@@ -55,9 +55,15 @@ class Case:
     # hidden size, these attention shapes) instead of the model-like stand-in.
     engine_step: bool = False
     expect_error: str | None = None  # the kernel must refuse this shape up front with this text
+    kv_dtype: str | None = None  # the pool's dtype when it differs from q's (8-bit pools)
+
+    @property
+    def pool_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     def describe(self) -> str:
-        extra = [f"sw{self.sliding_window}"] if self.sliding_window else []
+        extra = [f"kv {self.kv_dtype}"] if self.kv_dtype else []
+        extra += [f"sw{self.sliding_window}"] if self.sliding_window else []
         extra += [f"cap{self.soft_cap:g}"] if self.soft_cap else []
         extra += [f"bq{self.block_q}"] if self.block_q else []
         kind = "engine step" if self.engine_step else "step"
@@ -95,7 +101,38 @@ def _cases() -> list[Case]:
         # configs/llama3-8b-tpu-v5e-4.yaml: 1024 tokens, 128 seqs, 8K at page 32, one of 4 tensor shards
         Case("llama3-8b tp4 shard", 8, 2, 128, 32, "bfloat16", 1024, 128, 256),
     ]
+    c += KV8_CASES
     return c
+
+
+# 8-bit pools (--kv-cache-dtype int8 / fp8_e4m3), bf16 queries: the default model as the runner
+# stores it on TPU (lane-dense, KV write + attention in a layer scan) and Llama-3-8B's head_dim 128.
+# An 8-bit tile is 32 sublane rows: SmolLM2's 3 rows per token need page_size 32 (16 is refused).
+KV8_CASES = [
+    case
+    for kv in ("int8", "float8_e4m3fn")
+    for case in (
+        Case("smollm2 step kv8", 9, 3, 64, 32, "bfloat16", 64, 64, 32, layers=2, slab_pool=True, kv_dtype=kv),
+        Case("llama3-8b kv8", 32, 8, 128, 16, "bfloat16", 512, 64, 512, kv_dtype=kv),
+    )
+] + [
+    # The runner's own step (lane-dense pool, its KV write) with an int8 pool.
+    Case("smollm2 engine kv8", 9, 3, 64, 32, "bfloat16", 64, 64, 32, layers=2, slab_pool=True, engine_step=True,
+         kv_dtype="int8"),
+    # The other slab layouts of 8-bit words: f32 q on d64 (4-D pool), MQA d128 (a word straddles
+    # two tokens), head_dim 256 with window and soft cap.
+    Case("smollm2 kv8", 9, 3, 64, 32, "float32", 512, 64, 64, kv_dtype="int8"),
+    Case("mqa d128 kv8", 8, 1, 128, 16, "bfloat16", 128, 64, 128, kv_dtype="float8_e4m3fn"),
+    # ... and its step: an 8-bit [N, page, 2, 128] pool is copied twice around the kernel by XLA
+    # (its 8-bit tiling of a 2-row minor dim); the lane-dense pool is not.
+    Case("mqa d128 step kv8", 8, 1, 128, 16, "bfloat16", 64, 64, 32, layers=2, slab_pool=True,
+         kv_dtype="float8_e4m3fn"),
+    Case("gemma2-2b kv8", 8, 4, 256, 16, "bfloat16", 512, 64, 512, sliding_window=4096, soft_cap=50.0,
+         kv_dtype="int8"),
+    Case("smollm2 kv8 page 16", 9, 3, 64, 16, "bfloat16", 64, 64, 128, kv_dtype="int8", expect_error="page_size"),
+]
+# v4 / v5p: the two models' 8-bit cases (the layouts' code paths are the same on every chip).
+KV8_SMALL = [c for c in KV8_CASES if c.name in ("smollm2 step kv8", "llama3-8b kv8")]
 
 
 CASES = _cases()
@@ -105,7 +142,8 @@ SMALL = [c for c in CASES if c.name in ("smollm2", "llama3-8b") and c.page_size 
 # block_q 256 (the raised VMEM limit) only on v5e: on v6e it is the slowest compile and adds no path.
 MATRIX: list[tuple[str, Case]] = ([(chip, c) for chip in ("v5e", "v6e") for c in CASES
                                    if not (chip == "v6e" and c.block_q)]
-                                  + [(chip, c) for chip in ("v4", "v5p") for c in SMALL if c.dtype == "bfloat16"])
+                                  + [(chip, c) for chip in ("v4", "v5p") for c in SMALL if c.dtype == "bfloat16"]
+                                  + [(chip, c) for chip in ("v4", "v5p") for c in KV8_SMALL])
 
 _TOPOLOGIES: dict = {}
 
@@ -189,6 +227,7 @@ def compile_case(chip: str, case: Case) -> dict:
         mesh = Mesh([dev], ("x",))
         sh = NamedSharding(mesh, PartitionSpec())
         dtype = jnp.dtype(case.dtype)
+        kv_dtype = jnp.dtype(case.pool_dtype)
         num_pages = 4096
         t, s, p, h, kvh, d, ps = (case.tokens, case.seqs, case.pages, case.heads, case.kv_heads,
                                   case.head_dim, case.page_size)
@@ -201,7 +240,7 @@ def compile_case(chip: str, case: Case) -> dict:
         meta = (sds((s,), jnp.int32), sds((s, p), jnp.int32), sds((s + 1,), jnp.int32), sds((1,), jnp.int32))
         if not case.layers:
             fn = functools.partial(rpa.ragged_paged_attention_tpu, **kw)
-            args = (sds((t, h, d), dtype), sds((num_pages, ps, 2 * kvh, d), dtype), *meta)
+            args = (sds((t, h, d), dtype), sds((num_pages, ps, 2 * kvh, d), kv_dtype), *meta)
             pool_elems = num_pages * ps * 2 * kvh * d
         elif case.engine_step:
             fn, args, pool_elems = _engine_step(case, kw, sds, meta, num_pages)
@@ -210,7 +249,7 @@ def compile_case(chip: str, case: Case) -> dict:
         with jax.set_mesh(mesh):  # the kernel reads the chip generation from the mesh's device
             plan = rpa.plan_tpu_launch(
                 num_tokens=t, num_heads=h, kv_heads=kvh, head_dim=d, page_size=ps, max_seqs=s,
-                pages_per_seq=p, q_dtype=dtype, kv_dtype=dtype, block_q=case.block_q)
+                pages_per_seq=p, q_dtype=dtype, kv_dtype=kv_dtype, block_q=case.block_q)
             out.update(vmem_est=plan.vmem_bytes, smem_est=plan.smem_bytes, vmem_limit=plan.vmem_limit_bytes,
                        blocks=f"{plan.block_q}x{plan.pages_per_block}")
             jitted = fn if case.layers else jax.jit(fn)  # the step is jitted with the pool donated
@@ -242,7 +281,7 @@ def _model_step(case: Case, kw: dict, sds, meta, num_pages: int):
     rpa = importlib.import_module("jaxserve.pallas_kernels.ragged_paged_attention_tpu")
 
     t, h, kvh, d, ps, L = case.tokens, case.heads, case.kv_heads, case.head_dim, case.page_size, case.layers
-    dtype = jnp.dtype(case.dtype)
+    dtype, kv_dtype = jnp.dtype(case.dtype), jnp.dtype(case.pool_dtype)
     rows = ps * 2 * kvh * d // 128
     if case.slab_pool:
         pool_shape = (L * num_pages, rows, 128)
@@ -251,8 +290,8 @@ def _model_step(case: Case, kw: dict, sds, meta, num_pages: int):
 
     def step(q, pool, kv_lens, pt, cu, ns, slots):
         def layer(pool, l):
-            k = (q[:, :kvh] * (l + 1)).astype(dtype)
-            v = (q[:, :kvh] * (l + 2)).astype(dtype)
+            k = (q[:, :kvh] * (l + 1)).astype(kv_dtype)  # 8-bit: the caller's rounding stands in here
+            v = (q[:, :kvh] * (l + 2)).astype(kv_dtype)
             if case.slab_pool:
                 pool = rpa.write_kv_rows(pool, k, v, slots + l * num_pages * ps, ps)
                 o = rpa.ragged_paged_attention_tpu(q, pool, kv_lens, pt + l * num_pages, cu, ns,
@@ -265,7 +304,7 @@ def _model_step(case: Case, kw: dict, sds, meta, num_pages: int):
         return jax.lax.scan(layer, pool, jnp.arange(L))
 
     fn = jax.jit(step, donate_argnums=(1,))
-    args = (sds((t, h, d), dtype), sds(pool_shape, dtype), *meta, sds((t,), jnp.int32))
+    args = (sds((t, h, d), dtype), sds(pool_shape, kv_dtype), *meta, sds((t,), jnp.int32))
     return fn, args, L * num_pages * rows * 128
 
 
@@ -309,7 +348,7 @@ def _engine_step(case: Case, kw: dict, sds, meta, num_pages: int):
     abstract_state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
     i32 = sds((t,), jnp.int32)
     kv_lens, pt, cu, ns = meta
-    args = (abstract_state, sds(shape, dtype), i32, i32, i32, kv_lens, pt, cu, ns)
+    args = (abstract_state, sds(shape, jnp.dtype(case.pool_dtype)), i32, i32, i32, kv_lens, pt, cu, ns)
     return jax.jit(step, donate_argnums=(1,)), args, math.prod(shape)
 
 

@@ -12,7 +12,8 @@ Two routes, the first one available wins for the matrix:
   * The ``triton`` wheel (``.[compile-gpu]``): the Triton IR Pallas emits, compiled by Triton 3.9
     (TTIR -> TTGIR -> LLVM -> PTX -> its bundled ptxas). A close proxy for XLA's bundled Triton.
 Either way: compiles, fits 227 KB of shared memory per block, within our estimate (an upper bound
-within ~2 KB), bf16 prefill on Hopper's wgmma. Without either package the matrix skips with the
+within ~2 KB), bf16 prefill on Hopper's wgmma. 8-bit pools (int8, float8_e4m3fn) are in the matrix
+too: 1-byte loads upcast to f32 tiles (FMA); fp8 before sm_89 is refused up front. Without either package the matrix skips with the
 install command as the reason. ``python tests/test_gpu_compile.py`` prints the matrix as a table.
 """
 
@@ -42,7 +43,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.pallas_kernels.ragged_paged_attention_gpu import (  # noqa: E402
-    _MAX_POOL_ELEMENTS, _fit_blocks, aot_target, gpu_blocks_for, ragged_paged_attention_gpu, shared_bytes_estimate, uses_wgmma,
+    _MAX_POOL_ELEMENTS, _fit_blocks, aot_target, gpu_blocks_for, kv_compute_dtype, ragged_paged_attention_gpu,
+    shared_bytes_estimate, uses_wgmma,
 )
 
 SKIP_REASON = "GPU compile check needs the triton package: pip install -e '.[compile-gpu]'"
@@ -63,10 +65,22 @@ class Shape:
     pages_per_seq: int = 128  # max_model_len 2048 / page 16
     sliding_window: int | None = None
     soft_cap: float | None = None
+    kv_dtype: str | None = None  # the pool's dtype when it differs from q's (8-bit pools)
 
     @property
     def id(self) -> str:
-        return f"{self.name}_d{self.head_dim}_ps{self.page_size}_{self.dtype}"
+        kv = f"_kv_{self.kv_dtype}" if self.kv_dtype else ""
+        return f"{self.name}_d{self.head_dim}_ps{self.page_size}_{self.dtype}{kv}"
+
+    @property
+    def compute_itemsize(self) -> int:
+        """Bytes per element of the tiles the dots use (8-bit pools are upcast to f32)."""
+        return kv_compute_dtype(self.kv_dtype or self.dtype).itemsize
+
+    @property
+    def load_itemsize(self) -> int:
+        """Bytes per element of the pool as loaded."""
+        return jnp.dtype(self.kv_dtype or self.dtype).itemsize
 
 
 # Every architecture we load at its real head shapes; head_dim 64/128/256, bf16 and f32, pages
@@ -84,7 +98,14 @@ MATRIX = [
     Shape("mistral_7b", 8, 4, 128, 16, "bfloat16", pages_per_seq=512, sliding_window=4096),
     Shape("gemma_like", 4, 2, 256, 16, "bfloat16", soft_cap=50.0),
     Shape("gemma_like", 4, 2, 256, 16, "float32", soft_cap=50.0),  # default blocks clamp to fit
+    # 8-bit pools (--kv-cache-dtype), bf16 q: 1-byte loads upcast to f32 tiles
+    Shape("smollm2", 3, 3, 64, 16, "bfloat16", kv_dtype="int8"),
+    Shape("smollm2", 3, 3, 64, 16, "bfloat16", kv_dtype="float8_e4m3fn"),
+    Shape("llama3_8b", 8, 4, 128, 16, "bfloat16", pages_per_seq=512, kv_dtype="int8"),
+    Shape("llama3_8b", 8, 4, 128, 16, "bfloat16", pages_per_seq=512, kv_dtype="float8_e4m3fn"),
+    Shape("gemma_like", 4, 2, 256, 16, "bfloat16", soft_cap=50.0, kv_dtype="int8"),  # block_kv shrinks to fit
 ]
+CLAMP_SHAPE = next(m for m in MATRIX if m.head_dim == 256 and m.dtype == "float32")
 
 
 def _args(s: Shape) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -93,7 +114,7 @@ def _args(s: Shape) -> tuple[jax.ShapeDtypeStruct, ...]:
     num_pages = min(_MAX_POOL_ELEMENTS // per_page, 1 << 20)  # the largest pool the kernels address
     sds = jax.ShapeDtypeStruct
     return (sds((s.tokens, s.kv_heads * s.group, s.head_dim), dtype),
-            sds((num_pages, s.page_size, 2 * s.kv_heads, s.head_dim), dtype),
+            sds((num_pages, s.page_size, 2 * s.kv_heads, s.head_dim), jnp.dtype(s.kv_dtype or s.dtype)),
             sds((s.seqs,), jnp.int32), sds((s.seqs, s.pages_per_seq), jnp.int32),
             sds((s.seqs + 1,), jnp.int32), sds((1,), jnp.int32))
 
@@ -247,10 +268,11 @@ def xla_results() -> dict[str, Any]:
 
 def expected_blocks(s: Shape, kernel: str) -> tuple[int, int, bool]:
     """(rows, block_kv, wgmma) the kernel picks for this shape on the target, by its own rule."""
-    itemsize = jnp.dtype(s.dtype).itemsize
+    itemsize = s.compute_itemsize
     g_pad = max(16, 1 << (s.group - 1).bit_length())
     bq, bkv = _fit_blocks(rows_decode=g_pad, block_q=None, block_kv=None, head_dim=s.head_dim, itemsize=itemsize,
-                          num_warps=HOPPER.num_warps, blocks=HOPPER, kind=TARGET, dtype_name=s.dtype, kv_from="")
+                          num_warps=HOPPER.num_warps, blocks=HOPPER, kind=TARGET, dtype_name=s.dtype, kv_from="",
+                          load_itemsize=s.load_itemsize)
     rows = g_pad if "decode" in kernel else bq
     return rows, bkv, "prefill" in kernel and uses_wgmma(rows, itemsize, HOPPER.num_warps, HOPPER.cc)
 
@@ -260,7 +282,7 @@ def _selected_shapes(request):
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items]
     _SELECTED[:] = [p["shape"].id for p in params if isinstance(p.get("shape"), Shape)]
     if any("clamp" in item.name for item in request.session.items):
-        _SELECTED.append(MATRIX[-1].id)  # test_default_blocks_clamp_to_fit's shape
+        _SELECTED.append(CLAMP_SHAPE.id)  # test_default_blocks_clamp_to_fit's shape
 
 
 def _have_triton() -> bool:
@@ -293,7 +315,7 @@ def test_kernels_compile_for_sm90(shape: Shape):
     """Both kernels compile, fit H100/H200 shared memory, within our estimate; bf16 prefill on wgmma."""
     route, mods = compiled_kernels(shape)
     assert sorted(m["name"] for m in mods) == ["jaxserve_rpa_decode", "jaxserve_rpa_prefill"]
-    itemsize = jnp.dtype(shape.dtype).itemsize
+    itemsize = shape.compute_itemsize
     for m in mods:
         print(f"[{route}] {shape.id} {m['name']}: {m['shared']} B shared, wgmma {m.get('wgmma')}, "
               f"mma.sync {m.get('mma_sync')}, {m['seconds']:.1f} s")
@@ -301,7 +323,7 @@ def test_kernels_compile_for_sm90(shape: Shape):
         rows, block_kv, wgmma = expected_blocks(shape, m["name"])
         assert f"tensor<{block_kv}x{shape.head_dim}x!tt.ptr" in m["ttir"]  # K/V tiles of the size we think
         assert f"tensor<{rows}x{shape.head_dim}x!tt.ptr" in m["ttir"]  # the query tile
-        est = shared_bytes_estimate(rows, block_kv, shape.head_dim, itemsize, wgmma)
+        est = shared_bytes_estimate(rows, block_kv, shape.head_dim, itemsize, wgmma, shape.load_itemsize)
         assert est >= m["shared"], (m["name"], est, m["shared"])  # the estimate is an upper bound ...
         assert est <= 1.05 * m["shared"] + 2048, (m["name"], est, m["shared"])  # ... and a tight one
     prefill = next(m for m in mods if "prefill" in m["name"])
@@ -338,7 +360,7 @@ def test_oversized_explicit_blocks_fail_before_compiling():
 def test_default_blocks_clamp_to_fit():
     """head_dim 256 f32 does not fit at the table's block_kv: the default shrinks it to the largest
     power of two that fits, and compiles."""
-    s = MATRIX[-1]
+    s = CLAMP_SHAPE
     assert shared_bytes_estimate(HOPPER.block_q_f32, HOPPER.block_kv, 256, 4, False) > HOPPER.shared_bytes
     bkv = expected_blocks(s, "prefill")[1]
     assert bkv < HOPPER.block_kv
@@ -347,6 +369,21 @@ def test_default_blocks_clamp_to_fit():
     prefill = next(m for m in compiled_kernels(s)[1] if "prefill" in m["name"])
     assert f"tensor<{bkv}x256x!tt.ptr" in prefill["ttir"]
     assert prefill["shared"] <= HOPPER.shared_bytes
+
+
+def test_fp8_pool_before_sm89_is_a_clear_error():
+    """Triton cannot convert fp8 on sm_80 (it aborts: "LLVM ERROR: Conversion from/to f8e4m3nv is only
+    supported on compute capability >= 89"): an fp8 pool on an A100 is refused while tracing; int8
+    is fine there, and fp8 on sm_89+ (checked by the matrix for sm_90)."""
+    s = next(m for m in MATRIX if m.kv_dtype == "float8_e4m3fn")
+    lower = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1)).trace
+    with aot_target("NVIDIA A100-SXM4-80GB"):
+        with pytest.raises(ValueError, match="float8_e4m3fn KV pool needs compute capability >= 8.9"):
+            lower(*_args(s)).lower(lowering_platforms=("cuda",))
+        int8 = [jax.ShapeDtypeStruct(a.shape, jnp.int8) if i == 1 else a for i, a in enumerate(_args(s))]
+        lower(*int8).lower(lowering_platforms=("cuda",))
+    with aot_target("NVIDIA L4"):
+        lower(*_args(s)).lower(lowering_platforms=("cuda",))
 
 
 def test_pool_past_int32_offsets_is_a_clear_error():
@@ -373,12 +410,13 @@ def main() -> None:
             x = xla.get(s.id, {}).get("kernels", {}).get(name, {})
             t = tri.get(name, {})
             rows, kv, wg = expected_blocks(s, name)
-            est = shared_bytes_estimate(rows, kv, s.head_dim, jnp.dtype(s.dtype).itemsize, wg)
+            est = shared_bytes_estimate(rows, kv, s.head_dim, s.compute_itemsize, wg, s.load_itemsize)
             src = x or t
             tc = "wgmma" if src.get("wgmma") else ("mma.sync" if src.get("mma_sync") else "none (FMA)")
             fits = max(x.get("shared", 0), t.get("shared", 0)) <= HOPPER.shared_bytes
             kb = lambda d: f"{d['shared'] / 1024:.1f}" if "shared" in d else "-"  # noqa: E731
-            print(f"| {s.name} | {s.kv_heads * s.group}/{s.kv_heads} | {s.head_dim} | {s.page_size} | {s.dtype} "
+            dt = s.dtype + (f" (kv {s.kv_dtype})" if s.kv_dtype else "")
+            print(f"| {s.name} | {s.kv_heads * s.group}/{s.kv_heads} | {s.head_dim} | {s.page_size} | {dt} "
                   f"| {name[13:]} | {rows}x{kv} | {kb(x)} | {kb(t)} | {est / 1024:.1f} | {tc} "
                   f"| {'pass' if fits else 'FAIL'} |", flush=True)
 

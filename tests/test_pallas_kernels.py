@@ -4,6 +4,9 @@ reference vs dense float64 numpy attention.
 Bounds: f32 relative error (max |out - ref| / max |ref|) <= 1e-5. bf16 pools/queries: <= 3e-2, since
 the kernels feed bf16 softmax probabilities (and the GPU kernels bf16 q*scale) to the MXU/tensor-core
 dots (f32 accumulate) while the reference upcasts everything to f32; measured ~3e-3 to 5e-3.
+8-bit pools (int8, float8_e4m3fn; scales are the caller's) must give the f32 pool's result: the
+reference upcasts, the kernels upcast after the load, so f32 q keeps 1e-5 and bf16 q the output
+rounding (1e-2); measured <= 3.4e-6 and <= 1.4e-4.
 Interpret mode is slow, so the cases are few and each covers many features at once; four seeded
 random batches add GQA ratios that are not powers of two and other mixes.
 The hardware-only code paths (the TPU kernel's strided K/V loads, Triton codegen) cannot run here;
@@ -15,6 +18,7 @@ strided path's index arithmetic on loaded values (the interpreter has no strided
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -47,6 +51,7 @@ class Case:
     soft_cap: float | None = None
     dtype: str = "float32"
     garbage_ids: bool = False  # page-table entries past a sequence's end hold random page ids
+    kv_dtype: str | None = None  # the pool's dtype when it differs from q's (8-bit pools)
 
 
 CASES = [
@@ -87,10 +92,14 @@ def make_inputs(case: Case, seed: int = 0, garbage_seed: int = 1, nan_garbage: b
     cu[n_real + 1:] = cu[n_real]
     t = int(cu[-1]) + case.pad_tokens
     dtype = jnp.dtype(case.dtype)
+    kv_dtype = jnp.dtype(case.kv_dtype or case.dtype)
     q = rng.standard_normal((t, kvh * g, d)).astype(np.float32)
     real = rng.standard_normal((num_pages, ps, 2 * kvh, d)).astype(np.float32)
     # Garbage (large, finite) in every slot no sequence owns: unused pages and page tails.
     garbage = np.random.default_rng(garbage_seed).uniform(-300, 300, real.shape).astype(np.float32)
+    if kv_dtype.itemsize == 1:  # stored values span the 8-bit range; q carries the K scale, as the caller's
+        real, q = _real_8bit(real, kv_dtype.name), q / (64.0 if kv_dtype == jnp.int8 else 8.0)
+        garbage = np.clip(garbage, -128, 127)
     if nan_garbage:
         garbage[..., ::2] = np.nan  # NaN and inf: 0 * garbage must never reach a sum
         garbage[..., 1::2] = np.inf
@@ -99,10 +108,21 @@ def make_inputs(case: Case, seed: int = 0, garbage_seed: int = 1, nan_garbage: b
         for i in range(case.kv_lens[s]):
             owned[page_tables[s, i // ps], i % ps] = True
     pool = np.where(owned[:, :, None, None], real, garbage)
-    args = (jnp.asarray(q, dtype), jnp.asarray(pool, dtype), jnp.asarray(kv_lens), jnp.asarray(page_tables),
+    args = (jnp.asarray(q, dtype), jnp.asarray(pool, kv_dtype), jnp.asarray(kv_lens), jnp.asarray(page_tables),
             jnp.asarray(cu), jnp.asarray([n_real], jnp.int32))
     kw = dict(sm_scale=d ** -0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     return args, kw
+
+
+def _real_8bit(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Values an 8-bit pool holds (already rounded and clipped by the KV write): int8 integers in
+    [-127, 127]; float8_e4m3fn up to +-448 with subnormals (|x| < 2^-6) and both zeros."""
+    if dtype == "int8":
+        return np.clip(np.round(x * 45.0), -127, 127)
+    x = x * 8.0
+    x.flat[::7] *= 2.0 ** -12  # subnormals and values that round to +-0
+    x.flat[3::11] = np.sign(x.flat[3::11]) * 448.0  # the largest finite value
+    return np.asarray(jnp.asarray(x, jnp.float8_e4m3fn), np.float32)
 
 
 def dense_attention_f64(args, kw) -> np.ndarray:
@@ -195,6 +215,30 @@ def test_kernel_vs_reference_bf16(kernel: str):
     err = rel_err(out, ragged_paged_attention_xla(*args, **kw))
     print(f"{kernel} bf16: rel err {err:.2e}")
     assert err <= BF16_TOL, err
+    assert not np.asarray(out[real_rows(args):], np.float32).any()
+
+
+# 8-bit pools: the kernels must give what they give for the pool upcast to f32 (scales are the
+# caller's). GPU kernels: decode + prefill mix with GQA 4 (d64), and MQA d128 with window, soft cap
+# and garbage page ids, q in f32 and bf16. The TPU kernel's 8-bit unpacking is exercised per slab
+# layout in test_tpu_kernel_8bit_pool_interpret (its interpreter is slow).
+KV_8BIT = ["int8", "float8_e4m3fn"]
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", KV_8BIT)
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
+def test_gpu_kernel_8bit_pool(case: Case, kv_dtype: str, q_dtype: str):
+    args, kw = make_inputs(dataclasses.replace(case, dtype=q_dtype, kv_dtype=kv_dtype))
+    assert args[1].dtype == jnp.dtype(kv_dtype)
+    out = gpu_interp(*args, **kw)
+    assert out.dtype == jnp.dtype(q_dtype)
+    ref = ragged_paged_attention_xla(*args, **kw)
+    f32_pool = ragged_paged_attention_xla(args[0], args[1].astype(jnp.float32), *args[2:], **kw)
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(f32_pool, np.float32))
+    err = rel_err(out, ref)
+    print(f"gpu {case.name} {kv_dtype} q {q_dtype}: rel err {err:.2e}")
+    assert err <= (F32_TOL if q_dtype == "float32" else 1e-2), err  # bf16 q: output rounding only
     assert not np.asarray(out[real_rows(args):], np.float32).any()
 
 
@@ -376,6 +420,59 @@ def test_tpu_kernel_slab_layouts_interpret(case: Case, block_q: int):
     print(f"tpu {case.name}: rel err {err:.2e}")
     assert err <= (F32_TOL if case.dtype == "float32" else BF16_TOL), err
     assert not np.asarray(out[real_rows(args):], np.float32).any(), "padding rows must be zero"
+
+
+# 8-bit pools on the TPU kernel: 4 rows per 32-bit word, so words straddle tokens in periods of
+# 1, 2 or 4 tokens depending on the rows per token (W); one case per period and K/V row layout.
+TPU_8BIT_CASES = [
+    # SmolLM2-like d64, 3 KV heads: W=3 -> period 4; bf16 q (narrow windows of 16 rows)
+    (Case("smol_int8_d64_kvh3", [1, 1, 7, 1], [20, 33, 40, 1], 16, 3, 3, 64, dtype="bfloat16",
+          kv_dtype="int8", garbage_ids=True), 16),
+    # d64, 2 KV heads: W=2 -> period 2; decode + prefill mix, GQA 4, page 8
+    (dataclasses.replace(CASES[0], name="mixed_fp8_d64_g4", kv_dtype="float8_e4m3fn"), 8),
+    # MQA d128: W=2 (K row, V row) -> period 2; window, soft cap, garbage page ids
+    (dataclasses.replace(CASES[1], name="mqa_fp8_d128_swa_cap", kv_dtype="float8_e4m3fn"), 8),
+    # d256, 2 KV heads: W=8 -> period 1, two rows per K and per V
+    (Case("int8_d256_g2_cap", [1, 6, 1], [35, 20, 64], 16, 2, 2, 256, soft_cap=50.0, kv_dtype="int8"), 8),
+]
+
+
+@pytest.mark.parametrize("case,block_q", TPU_8BIT_CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_tpu_kernel_8bit_pool_interpret(case: Case, block_q: int):
+    args, kw = make_inputs(case)
+    out = ragged_paged_attention_tpu(*args, **kw, interpret=True, block_q=block_q, pages_per_block=2)
+    assert out.dtype == jnp.dtype(case.dtype)
+    err = rel_err(out, ragged_paged_attention_xla(*args, **kw))
+    print(f"tpu {case.name}: rel err {err:.2e}")
+    assert err <= (F32_TOL if case.dtype == "float32" else 1e-2), err  # bf16 q: output rounding only
+    assert not np.asarray(out[real_rows(args):], np.float32).any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("kv_dtype", KV_8BIT)
+def test_8bit_lane_dense_row_write_and_read(kv_dtype: str):
+    """write_kv_rows on a lane-dense 8-bit pool: the same bytes as write_kv on the 4-D pool, values
+    (already in the storage range) stored exactly; the dispatcher reads that pool as the 4-D one."""
+    from jaxserve.attention import write_kv
+    from jaxserve.pallas_kernels.ragged_paged_attention_tpu import pool_as_slabs, write_kv_rows
+
+    case = dataclasses.replace(TPU_8BIT_CASES[0][0], kv_dtype=kv_dtype)
+    args, kw = make_inputs(case)
+    pool = args[1]
+    rng = np.random.default_rng(3)
+    t, kvh, d = 6, case.kv_heads, case.head_dim
+    k, v = (jnp.asarray(_real_8bit(rng.standard_normal((t, kvh, d)).astype(np.float32), kv_dtype), jnp.bfloat16)
+            for _ in range(2))
+    slots = jnp.asarray([0, 17, 18, 31, 5 * 16 + 3, 2], jnp.int32)
+    want = write_kv(pool, k, v, slots)
+    got = write_kv_rows(pool_as_slabs(pool), k, v, slots, case.page_size)
+    assert got.dtype == jnp.dtype(kv_dtype)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(pool_as_slabs(want)).view(np.uint8))
+    flat = np.asarray(want.reshape(-1, 2 * kvh, d), np.float32)[np.asarray(slots)]
+    np.testing.assert_array_equal(flat[:, 0::2], np.asarray(k, np.float32))  # exact: in range, representable
+    np.testing.assert_array_equal(flat[:, 1::2], np.asarray(v, np.float32))
+    a4 = ragged_paged_attention_pallas(args[0], want, *args[2:], **kw)
+    a3 = ragged_paged_attention_pallas(args[0], got, *args[2:], **kw, pool_page_size=case.page_size)
+    np.testing.assert_array_equal(np.asarray(a3, np.float32), np.asarray(a4, np.float32))
 
 
 def test_tpu_lane_dense_pool_and_row_write():

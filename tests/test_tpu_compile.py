@@ -3,7 +3,8 @@
 Lowering alone accepts shapes that Mosaic's layout rules reject, so every case here is compiled
 against a deviceless TPU topology (v5e and v6e in full, v4 and v5p for the default model and
 Llama-3-8B): every architecture we load, head_dim 64/128/256, bf16 and f32, pages 16/32/64, the
-engine's largest buckets, a block_q that needs the raised VMEM limit, a model-like step whose
+engine's largest buckets, 8-bit pools (int8, float8_e4m3fn) for the default model's lane-dense
+step and Llama-3-8B, a block_q that needs the raised VMEM limit, a model-like step whose
 HLO is checked for whole-pool copies, and a page table too big for scalar memory that must be
 refused up front. The compiles run once, in a subprocess with two workers
 (scripts/tpu_compile_matrix.py, which also writes the table in docs/kernels.md); each case is

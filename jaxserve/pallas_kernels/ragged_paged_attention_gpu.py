@@ -14,6 +14,11 @@ device); each skips the sequences the other one owns:
     over the (precomputed) sequences whose tokens it holds and keeps one per-row online softmax;
     rows of other sequences are masked to -inf and stay untouched.
 
+8-bit pools (int8, float8_e4m3fn) hold K/V in 1 byte; their per-layer, per-head scales are
+applied by the caller (q times the K scale, the output times the V scale). The kernels load the
+bytes and upcast them to float32 right away (``kv_compute_dtype``), so they compute what they
+compute for ``kv_pages.astype(jnp.float32)``: f32 dots at HIGHEST precision, f32 accumulation.
+
 KV is read in blocks of ``block_kv`` token slots: each slot's page comes from the page table by
 a vector gather, so the block size is independent of the page size. The pool is passed whole
 (no block spec), so nothing is copied per program; K of KV head h is combined head 2h, V 2h+1.
@@ -36,6 +41,13 @@ except ImportError:  # pragma: no cover
 _CompilerParams = None
 if plgpu is not None:
     _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams", None)
+
+
+def kv_compute_dtype(kv_dtype) -> jnp.dtype:
+    """dtype K/V are computed in: the pool's, except 8-bit pools, upcast to float32 after the load
+    (their contract is the f32 pool's result; the dots' operand tiles are then f32 too)."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    return jnp.dtype(jnp.float32) if kv_dtype.itemsize == 1 else kv_dtype
 
 
 def _next_pow2(n: int) -> int:
@@ -115,7 +127,8 @@ def uses_wgmma(rows: int, itemsize: int, num_warps: int, cc: int) -> bool:
     return cc >= 90 and itemsize == 2 and rows % 64 == 0 and num_warps % 4 == 0
 
 
-def shared_bytes_estimate(rows: int, block_kv: int, head_dim: int, itemsize: int, wgmma: bool) -> int:
+def shared_bytes_estimate(rows: int, block_kv: int, head_dim: int, itemsize: int, wgmma: bool,
+                          load_itemsize: int | None = None) -> int:
     """Shared memory Triton allocates for one program of these kernels (rows query rows).
 
     Fitted to Triton 3.9's sm_90 allocation over head_dim 64/128/256, bf16/f32, rows 16-128,
@@ -123,22 +136,29 @@ def shared_bytes_estimate(rows: int, block_kv: int, head_dim: int, itemsize: int
     keeps it an upper bound within 5% + 2 KB of both):
     mma.sync/FMA tiles hold K, V and a layout copy of one of them (3 x block_kv x D), the P tile
     (rows x block_kv) and Q (rows x D); wgmma tiles stage K and V twice (4 x block_kv x D) plus Q.
+    8-bit pools (load_itemsize 1 < itemsize 4, FMA): K and V as loaded plus their f32 copies, and
+    Q; measured 84/88 KB (d64) and 168/176 KB (d128) at 16/32 rows x 128 slots, exactly this
+    less the 1 KB, by XLA's Triton for sm_90 (tests/test_gpu_compile.py also checks d256).
     """
+    if load_itemsize is not None and load_itemsize < itemsize:
+        return block_kv * head_dim * 2 * (load_itemsize + itemsize) + rows * head_dim * itemsize + 1024
     base = itemsize * (block_kv * (3 * head_dim + rows) + rows * head_dim)
     if wgmma:
         base = max(base, itemsize * (4 * head_dim * block_kv + rows * head_dim))
     return base + 1024  # barriers and a third pipeline stage add <= 256 B
 
 
-def _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv: int, page_size: int, pages_per_seq: int):
-    """K, V [block_kv, D] of KV block j of a sequence; slots past kv_len read the null page and V=0."""
+def _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv: int, page_size: int, pages_per_seq: int,
+             compute_dtype):
+    """K, V [block_kv, D] of KV block j of a sequence, in compute_dtype (8-bit pools: upcast right
+    after the load); slots past kv_len read the null page and V=0."""
     tok = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
     col = jnp.minimum(tok // page_size, pages_per_seq - 1)
     ok = tok < kv_len
     page = jnp.where(ok, pt_ref[seq, col], 0)  # garbage ids past the end are never dereferenced
     off = tok % page_size
-    k = kv_ref[page, off, 2 * kvh, :]
-    v = kv_ref[page, off, 2 * kvh + 1, :]
+    k = kv_ref[page, off, 2 * kvh, :].astype(compute_dtype)
+    v = kv_ref[page, off, 2 * kvh + 1, :].astype(compute_dtype)
     v = jnp.where(ok[:, None], v, jnp.zeros_like(v))  # 0 * stale inf/nan would poison the sum
     return k, v, tok
 
@@ -163,7 +183,7 @@ def _scores(q, k, soft_cap, precision):
 
 def _decode_kernel(kv_lens_ref, cu_ref, ns_ref, pt_ref, q_ref, kv_ref, o_ref, l_ref, m_ref, *,
                    sm_scale, sliding_window, soft_cap, block_kv, split_tokens, page_size, pages_per_seq,
-                   precision):
+                   precision, compute_dtype):
     seq, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_len = kv_lens_ref[seq]
     is_decode = (seq < ns_ref[0]) & (cu_ref[seq + 1] - cu_ref[seq] == 1)
@@ -176,12 +196,13 @@ def _decode_kernel(kv_lens_ref, cu_ref, ns_ref, pt_ref, q_ref, kv_ref, o_ref, l_
     blk_hi = jnp.where(end > start, blk_hi, blk_lo)
 
     q = q_ref[...]
-    q = (q.astype(jnp.float32) * sm_scale).astype(kv_ref.dtype)  # [Gp, D]
+    q = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype)  # [Gp, D]
     gp, d = q.shape
 
     def body(j, carry):
         m, l, acc = carry
-        k, v, tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq)
+        k, v, tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq,
+                             compute_dtype)
         s = _scores(q, k, soft_cap, precision)
         ok = (tok >= start) & (tok < end)  # this split's share, causal and window bounds included
         s = jnp.where(ok[None, :], s, -jnp.inf)
@@ -195,11 +216,12 @@ def _decode_kernel(kv_lens_ref, cu_ref, ns_ref, pt_ref, q_ref, kv_ref, o_ref, l_
 
 
 def _prefill_kernel(kv_lens_ref, cu_ref, ns_ref, seq_lo_ref, seq_hi_ref, pt_ref, q_ref, kv_ref, o_ref, *,
-                    sm_scale, sliding_window, soft_cap, block_kv, page_size, pages_per_seq, group, precision):
+                    sm_scale, sliding_window, soft_cap, block_kv, page_size, pages_per_seq, group, precision,
+                    compute_dtype):
     kvh, qb = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]  # [block_q, D]: rows r0.. of this KV head's [T * group] query rows
     bq, d = q.shape
-    q = (q.astype(jnp.float32) * sm_scale).astype(kv_ref.dtype)
+    q = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype)
     r0 = qb * bq
     tok = (r0 + jnp.arange(bq, dtype=jnp.int32)) // group  # token of each row
     tok_first, tok_last = r0 // group, (r0 + bq - 1) // group
@@ -220,7 +242,8 @@ def _prefill_kernel(kv_lens_ref, cu_ref, ns_ref, seq_lo_ref, seq_hi_ref, pt_ref,
 
         def kv_body(j, carry):
             m, l, acc = carry
-            k, v, kv_tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq)
+            k, v, kv_tok = _load_kv(kv_ref, pt_ref, seq, j, kv_len, kvh, block_kv, page_size, pages_per_seq,
+                                    compute_dtype)
             s = _scores(q, k, soft_cap, precision)
             ok = in_seq[:, None] & (kv_tok[None, :] < kv_len) & (kv_tok[None, :] <= q_pos[:, None])
             if sliding_window is not None:
@@ -249,7 +272,7 @@ def _row_block_seq_ranges(cu_q_lens: jax.Array, num_blocks: int, block_rows: int
 
 def _fit_blocks(*, rows_decode: int, block_q: int | None, block_kv: int | None, head_dim: int, itemsize: int,
                 num_warps: int, blocks: GpuBlocks, kind: str, dtype_name: str,
-                kv_from: str) -> tuple[int, int]:
+                kv_from: str, load_itemsize: int | None = None) -> tuple[int, int]:
     """Block sizes whose tiles fit the device's shared memory: defaults shrink to fit, explicit
     settings that do not fit are an error (raised while tracing, i.e. at start-up warm-up, before
     any compiler runs)."""
@@ -260,8 +283,9 @@ def _fit_blocks(*, rows_decode: int, block_q: int | None, block_kv: int | None, 
         block_kv = blocks.block_kv
 
     def need(bq: int, bkv: int) -> tuple[int, str]:
-        dec = shared_bytes_estimate(rows_decode, bkv, head_dim, itemsize, False)
-        pre = shared_bytes_estimate(bq, bkv, head_dim, itemsize, uses_wgmma(bq, itemsize, num_warps, blocks.cc))
+        dec = shared_bytes_estimate(rows_decode, bkv, head_dim, itemsize, False, load_itemsize)
+        pre = shared_bytes_estimate(bq, bkv, head_dim, itemsize, uses_wgmma(bq, itemsize, num_warps, blocks.cc),
+                                    load_itemsize)
         return (dec, "decode") if dec > pre else (pre, "prefill")
 
     while need(block_q, block_kv)[0] > blocks.shared_bytes:
@@ -330,14 +354,23 @@ def ragged_paged_attention_gpu(
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16 for Triton, got {head_dim}")
     g_pad = max(16, _next_pow2(group))
-    itemsize = jnp.dtype(kv_pages.dtype).itemsize
+    compute_dtype = kv_compute_dtype(kv_pages.dtype)
+    # Tiles (and so shared memory and the tensor-core path) follow the dtype the dots run in.
+    itemsize = compute_dtype.itemsize
     if interpret:  # no shared memory to fit; the table's sizes, or what the caller asked for
         block_q = block_q or (blocks.block_q_16bit if itemsize == 2 else blocks.block_q_f32)
         block_kv = block_kv or blocks.block_kv
     else:
+        if kv_pages.dtype == jnp.float8_e4m3fn and blocks.cc < 89:
+            # Triton 3.9 for sm_80 aborts the process: "LLVM ERROR: Conversion from/to f8e4m3nv is only
+            # supported on compute capability >= 89" (tests/test_gpu_compile.py); refuse it while tracing.
+            raise ValueError(
+                f"GPU attention: a float8_e4m3fn KV pool needs compute capability >= 8.9 (Ada, Hopper) for "
+                f"Triton's fp8 conversion; {kind or 'the target'} is sm_{blocks.cc}. Use kv_cache_dtype int8 there")
         block_q, block_kv = _fit_blocks(rows_decode=g_pad, block_q=block_q, block_kv=block_kv, head_dim=head_dim,
                                         itemsize=itemsize, num_warps=num_warps, blocks=blocks, kind=kind,
-                                        dtype_name=jnp.dtype(kv_pages.dtype).name, kv_from=kv_from)
+                                        dtype_name=jnp.dtype(kv_pages.dtype).name, kv_from=kv_from,
+                                        load_itemsize=jnp.dtype(kv_pages.dtype).itemsize)
         if kv_pages.size > _MAX_POOL_ELEMENTS:
             raise ValueError(
                 f"GPU attention: the KV pool has {kv_pages.size:,} elements ({kv_pages.shape}), past the 2^31 that the "
@@ -353,7 +386,7 @@ def ragged_paged_attention_gpu(
     # Whole KV blocks per split; recount the splits from the rounded length.
     split_tokens = min(ctx_blocks, max(1, -(-split_tokens // block_kv))) * block_kv
     num_splits = max(1, -(-max_ctx // split_tokens))
-    precision = jax.lax.Precision.HIGHEST if kv_pages.dtype == jnp.float32 else None
+    precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     kv_lens = kv_lens.astype(jnp.int32)
     cu = cu_q_lens.astype(jnp.int32)
     ns = num_seqs.astype(jnp.int32).reshape(-1)[:1]
@@ -370,7 +403,7 @@ def ragged_paged_attention_gpu(
     qd = jnp.pad(qd, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
     dec = functools.partial(_decode_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                             block_kv=block_kv, split_tokens=split_tokens, page_size=page_size,
-                            pages_per_seq=pages_per_seq, precision=precision)
+                            pages_per_seq=pages_per_seq, precision=precision, compute_dtype=compute_dtype)
     o, l, m = pl.pallas_call(
         dec,
         grid=(num_seqs_max, kv_heads, num_splits),
@@ -403,7 +436,7 @@ def ragged_paged_attention_gpu(
     seq_lo, seq_hi = _row_block_seq_ranges(cu, nqb, block_q, group)
     pre = functools.partial(_prefill_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                             block_kv=block_kv, page_size=page_size, pages_per_seq=pages_per_seq, group=group,
-                            precision=precision)
+                            precision=precision, compute_dtype=compute_dtype)
     q_spec = pl.BlockSpec((None, block_q, head_dim), lambda h, i: (h, i, 0))
     out = pl.pallas_call(
         pre,

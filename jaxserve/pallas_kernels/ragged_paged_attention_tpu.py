@@ -22,6 +22,11 @@ Design
     halves. With head_dim 64 and an odd kv_heads a word straddles two tokens; then even and odd
     tokens are loaded separately and the KV columns are handled in (evens, odds) order; attention
     does not care about column order as long as the masks follow it.
+  * 8-bit pools (int8, float8_e4m3fn; the scales are the caller's): four rows per word, split
+    with integer ops into exact f32 values (no int8/fp8 VPU support needed, v4 and v5e included);
+    words straddle tokens in periods of up to 4 tokens, handled like the odd-head case above. K/V
+    then enter the dots as f32, so the result is the f32 pool's (``kv_pages.astype(jnp.float32)``).
+    An 8-bit tile is 32 sublane rows: pages must fill whole tiles (SmolLM2: page_size 32).
   * Queries regrouped outside the kernel to ``[kv_heads, tokens * group, 128*]``: row
     ``t * group + g`` is query head ``h * group + g`` of token t, so one MXU matmul serves a GQA group.
   * Grid ``(query blocks,)``, "parallel" (or "arbitrary", below). A query block of ``block_q`` tokens may hold the tail of
@@ -189,6 +194,9 @@ def plan_tpu_launch(
     Raises ValueError naming the limit and the engine setting to change."""
     if num_heads % kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {kv_heads}")
+    kv_dtype = jnp.dtype(kv_dtype)
+    if kv_dtype.itemsize == 1 and kv_dtype not in KV_8BIT_DTYPES:  # the unpacking decodes these two only
+        raise ValueError(f"TPU kernel: 8-bit KV must be int8 or float8_e4m3fn, got {kv_dtype.name}")
     group = num_heads // kv_heads
     if head_dim == 64:
         w, lanes_q = kv_heads, _LANES
@@ -203,9 +211,10 @@ def plan_tpu_launch(
             f"TPU kernel: a page of {page_size} tokens x {w} rows of 128 lanes does not fill whole "
             f"{kv_tile}-row sublane tiles for {jnp.dtype(kv_dtype).name} KV; use a page_size that is a "
             f"multiple of {kv_tile // math.gcd(w, kv_tile)}")
-    if (not interpret and jnp.dtype(kv_dtype).itemsize == 2 and head_dim == 64
-            and kv_heads % 2 and page_size % 2):
-        raise ValueError("TPU kernel: odd kv_heads with head_dim 64 and 16-bit KV need an even page_size")
+    period = _token_period(w, _packing(kv_dtype))
+    if page_size % period:  # KV blocks are read in whole periods of tokens (_SlabReader)
+        raise ValueError(f"TPU kernel: {w} rows of 128 lanes per token and {jnp.dtype(kv_dtype).name} KV "
+                         f"need a page_size that is a multiple of {period}")
     vmem_cap, smem_cap = (64 * 1024 * 1024, _SMEM_BYTES) if interpret else _chip_memory()
 
     # Scalar memory: the flattened page table plus per-sequence lengths and per-block starts.
@@ -257,13 +266,14 @@ def plan_tpu_launch(
 
 def check_tpu_limits(*, num_heads: int, kv_heads: int, head_dim: int, page_size: int, max_num_seqs: int,
                      max_model_len: int, max_num_batched_tokens: int, dtype, block_q: int | None = None,
-                     pages_per_block: int | None = None) -> TpuPlan:
+                     pages_per_block: int | None = None, kv_dtype=None) -> TpuPlan:
     """Start-up check of the engine's largest bucket against the chip; raises ValueError naming
-    the setting to change. (Buckets tie sequences to tokens: S = min(T, max_num_seqs).)"""
+    the setting to change. (Buckets tie sequences to tokens: S = min(T, max_num_seqs).)
+    kv_dtype: the pool's dtype when it differs from the model's (int8 / float8_e4m3fn)."""
     return plan_tpu_launch(
         num_tokens=max_num_batched_tokens, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
         page_size=page_size, max_seqs=min(max_num_seqs, max_num_batched_tokens),
-        pages_per_seq=-(-max_model_len // page_size), q_dtype=dtype, kv_dtype=dtype,
+        pages_per_seq=-(-max_model_len // page_size), q_dtype=dtype, kv_dtype=kv_dtype or dtype,
         block_q=block_q, pages_per_block=pages_per_block)
 
 
@@ -284,78 +294,125 @@ def _ungroup_output(o: jax.Array, num_tokens: int, num_heads: int, head_dim: int
     return o.reshape(rows // group, num_heads, head_dim)[:num_tokens]
 
 
+KV_8BIT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def _packing(kv_dtype) -> int:
+    """KV rows per 32-bit sublane word: 1 (f32), 2 (bf16), 4 (int8, fp8)."""
+    return 4 // jnp.dtype(kv_dtype).itemsize
+
+
+def _token_period(w: int, packing: int) -> int:
+    """Tokens after which the row -> (word, part) pattern of a slab repeats: a token has w rows,
+    a word `packing` rows, so it is packing / gcd(w, packing) (1 when words never straddle tokens)."""
+    return packing // math.gcd(w, packing)
+
+
+def _kv_compute_dtype(kv_dtype) -> jnp.dtype:
+    """dtype K/V enter the dots in: the pool's, but f32 for 8-bit pools (their contract is the
+    result for ``kv_pages.astype(jnp.float32)``; the unpacking yields f32 exactly anyway)."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    return jnp.dtype(jnp.float32) if kv_dtype.itemsize == 1 else kv_dtype
+
+
 class _SlabReader:
     """K and V of one kv head out of a VMEM buffer of page slabs ``[kv_tokens * W, 128]``.
 
-    ``strided``: Mosaic sublane-strided loads and a uint32 view of 16-bit buffers (TPU).
+    ``strided``: Mosaic sublane-strided loads and a uint32 view of packed buffers (TPU).
     ``emulated``: the same index arithmetic on loaded values (reshape + index, lax bitcasts), which
-    the TPU interpreter runs; it checks every start/stride/half choice of the strided path on CPU.
+    the TPU interpreter runs; it checks every start/stride/part choice of the strided path on CPU.
+
+    Packed pools (2 or 4 rows per 32-bit word: rows p*i + j are part j of word i, low bits
+    first, as ``pltpu.bitcast`` defines it) are read as words and split with integer ops, which
+    every TPU generation has (no bf16/int8/fp8 VPU needed). When W is not a multiple of the
+    packing, a word straddles tokens: token t = P*u + c (P = _token_period) has row r in word
+    (W*P*u + W*c + r) // p, so each class c is one strided load, and the KV columns come out
+    class-major (tokens c, P+c, 2P+c, ... for c = 0..P-1); the masks follow via column_tokens.
     """
 
     def __init__(self, buf, kv_tokens: int, w: int, head_dim: int, kv_heads: int, mode: str):
         self.buf, self.kv, self.w, self.d, self.kvh, self.mode = buf, kv_tokens, w, head_dim, kv_heads, mode
-        self.dtype = buf.dtype
-        self.packed = jnp.dtype(buf.dtype).itemsize == 2
-        # Column order of the loaded KV block: natural, or evens then odds (see module doc).
-        self.even_odd = self.packed and head_dim == 64 and kv_heads % 2 == 1
+        self.dtype = jnp.dtype(buf.dtype)
+        self.pack = _packing(self.dtype)
+        self.period = _token_period(w, self.pack)
+        self._loaded: dict = {}  # K and V rows often share words: load each word row once
+
+    def _bitcast(self, x, dtype):
+        if self.mode == "strided":
+            return pltpu.bitcast(x, dtype)
+        return lax.bitcast_convert_type(x, dtype)
 
     def _rows(self, start: int, n: int, stride: int, words: bool):
         """Rows start, start+stride, ... (n of them) of the buffer or of its uint32 word view."""
+        key = (start, n, stride, words)
+        if key in self._loaded:
+            return self._loaded[key]
         if self.mode == "strided":
             ref = self.buf.bitcast(jnp.uint32) if words else self.buf
-            if stride == 1:
-                return ref[...]
-            return ref[pl.ds(start, n, stride=stride), :]
-        x = self.buf[...]
-        if words:  # rows 2i (low half) and 2i+1 (high half) share word i
-            x = x.reshape(x.shape[0] // 2, 2, _LANES).transpose(0, 2, 1)
-            x = lax.bitcast_convert_type(x, jnp.uint32)
-        return x.reshape(n, stride, _LANES)[:, start, :]
+            if stride == 1:  # every row: start is 0 and n the whole buffer
+                x = ref[...]
+            else:
+                x = ref[pl.ds(start, n, stride=stride), :]
+        else:
+            x = self.buf[...]
+            if words:  # rows p*i + j are part j of word i
+                x = x.reshape(x.shape[0] // self.pack, self.pack, _LANES).transpose(0, 2, 1)
+                x = lax.bitcast_convert_type(x, jnp.uint32)
+            x = x.reshape(n, stride, _LANES)[:, start, :]
+        self._loaded[key] = x
+        return x
 
-    def _half(self, w, high: bool):
-        """One 16-bit half of each word as f32 (exact: a bf16 is the top half of an f32)."""
-        bits = (w & jnp.uint32(0xFFFF0000)) if high else (w << 16)
-        if self.mode == "strided":
-            return pltpu.bitcast(bits, jnp.float32)
-        return lax.bitcast_convert_type(bits, jnp.float32)
+    def _part(self, w, j: int):
+        """Part j of each word as f32, exactly the value ``astype(jnp.float32)`` gives."""
+        if self.pack == 2:  # a bf16 is the top half of an f32
+            bits = (w & jnp.uint32(0xFFFF0000)) if j == 1 else (w << 16)
+            return self._bitcast(bits, jnp.float32)
+        if self.dtype == jnp.int8:  # move byte j to the top, then an arithmetic shift sign-extends it
+            top = self._bitcast(w << (24 - 8 * j), jnp.int32)
+            return (top >> 24).astype(jnp.float32)
+        # float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits, no inf, S.1111.111 = NaN.
+        # Compares and the int -> float convert run on int32 (signed ops exist everywhere).
+        negative = self._bitcast(w << (24 - 8 * j), jnp.int32) < 0
+        mag = ((w >> (8 * j)) if j else w) & jnp.uint32(0x7F)
+        normal = self._bitcast((mag << 20) + jnp.uint32((127 - 7) << 23), jnp.float32)  # rebias 7 -> 127
+        mag = self._bitcast(mag, jnp.int32)
+        x = jnp.where(mag < 8, mag.astype(jnp.float32) * (2.0 ** -9), normal)  # exponent 0: m * 2^-9
+        x = jnp.where(mag == 0x7F, jnp.nan, x)
+        return jnp.where(negative, -x, x)
+
+    def _token_row(self, r: int):
+        """Row r of every token of the block, [kv_tokens, 128], columns in class-major order;
+        f32 for packed pools, the buffer's dtype otherwise."""
+        if self.pack == 1:
+            return self._rows(r, self.kv, self.w, False)
+        p, per = self.pack, self.period
+        stride = self.w * per // p  # words per period of tokens
+        parts = []
+        for c in range(per):
+            g = self.w * c + r  # row of token c within the period's words
+            parts.append(self._part(self._rows(g // p, self.kv // per, stride, True), g % p))
+        return parts[0] if per == 1 else jnp.concatenate(parts, axis=0)
 
     def load(self, h: int) -> tuple[jax.Array, jax.Array]:
-        """(K, V) of head h, [kv_tokens, lanes]; f32 for 16-bit pools (the word split yields f32)."""
-        kv, w, d = self.kv, self.w, self.d
-        if d == 64:  # one row [K_h | V_h] per token
-            if not self.packed:
-                x = self._rows(h, kv, w, False)
-            elif self.kvh % 2 == 0:
-                x = self._half(self._rows(h // 2, kv, w // 2, True), h % 2 == 1)
-            else:  # words straddle tokens: even tokens, then odd tokens
-                even = self._half(self._rows(h // 2, kv // 2, self.kvh, True), h % 2 == 1)
-                odd_row = self.kvh + h
-                odd = self._half(self._rows(odd_row // 2, kv // 2, self.kvh, True), odd_row % 2 == 1)
-                x = jnp.concatenate([even, odd], axis=0)
+        """(K, V) of head h, [kv_tokens, lanes]; f32 for packed pools (the word split yields f32)."""
+        if self.d == 64:  # one row [K_h | V_h] per token
+            x = self._token_row(h)
             return x, x
-        m = d // _LANES  # rows per K (and per V) of a head
-        if not self.packed:
-            k = [self._rows(2 * h * m + j, kv, w, False) for j in range(m)]
-            v = [self._rows((2 * h + 1) * m + j, kv, w, False) for j in range(m)]
-        elif m == 1:  # K row and V row share a word
-            word = self._rows(h, kv, w // 2, True)
-            k, v = [self._half(word, False)], [self._half(word, True)]
-        else:  # m even: a word holds chunks 2j (low) and 2j+1 (high) of K, or of V
-            k, v = [], []
-            for out, base in ((k, 2 * h * m // 2), (v, (2 * h + 1) * m // 2)):
-                for j in range(m // 2):
-                    word = self._rows(base + j, kv, w // 2, True)
-                    out += [self._half(word, False), self._half(word, True)]
+        m = self.d // _LANES  # rows per K (and per V) of a head
         cat = (lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1))
-        return cat(k), cat(v)
+        return (cat([self._token_row(2 * h * m + j) for j in range(m)]),
+                cat([self._token_row((2 * h + 1) * m + j) for j in range(m)]))
 
     def column_tokens(self, shape: tuple[int, int], axis: int) -> jax.Array:
         """Token index within the KV block of each column (iota along `axis`)."""
         j = lax.broadcasted_iota(jnp.int32, shape, axis)
-        if not self.even_odd:
+        if self.period == 1:
             return j
-        half = self.kv // 2
-        return jnp.where(j < half, 2 * j, 2 * (j - half) + 1)
+        n = self.kv // self.period  # columns per class; compares, not a vector divide
+        tok = j * self.period
+        for c in range(1, self.period):
+            tok = jnp.where(j >= c * n, (j - c * n) * self.period + c, tok)
+        return tok
 
 
 def _kernel(
@@ -472,6 +529,7 @@ def _kernel(
         lax.fori_loop(lo, hi, body, 0)
 
     precision = lax.Precision.HIGHEST if f32_inputs else None
+    kv_dtype = _kv_compute_dtype(kv_buf.dtype)  # 8-bit pools: f32, as if the pool were upcast
 
     def compute_block(span, blk, slot, row0, nrows: int):
         """Fold KV block `blk` into the softmax state of rows [row0, row0 + nrows)."""
@@ -496,8 +554,8 @@ def _kernel(
         for h in range(kv_heads):
             k, v = reader.load(h)
             # Stale or garbage slots (even NaN) must not reach either matmul: 0 * NaN = NaN.
-            k = jnp.where(kv_valid, k, 0.0).astype(kv_buf.dtype)
-            v = k if head_dim == 64 else jnp.where(kv_valid, v, 0.0).astype(kv_buf.dtype)
+            k = jnp.where(kv_valid, k, 0.0).astype(kv_dtype)
+            v = k if head_dim == 64 else jnp.where(kv_valid, v, 0.0).astype(kv_dtype)
             q = q_ref[h, rs, :]
             s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale
@@ -675,7 +733,7 @@ def ragged_paged_attention_tpu(
         raise ValueError(f"kv_split must be 'strided' or 'emulated', got {kv_split!r}")
     if kv_split == "emulated" and not interpret and kv_pages.dtype.itemsize != 4:
         # Mosaic rejects the value-level bf16 -> uint32 pair bitcast ("Changing bitwidths not supported")
-        raise ValueError("kv_split='emulated' is for the TPU interpreter; on a TPU 16-bit pools need 'strided'")
+        raise ValueError("kv_split='emulated' is for the TPU interpreter; on a TPU 8/16-bit pools need 'strided'")
 
     plan = plan_tpu_launch(
         num_tokens=num_tokens, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
