@@ -327,3 +327,19 @@ def test_step_broadcaster_keep_alive_is_rate_limited(monkeypatch):
     b.send([], [None])  # a step counts as contact too
     now[0] += 20
     assert not b.keep_alive()
+
+
+@pytest.mark.parametrize("policy, order", [("priority", ["c", "b", "d", "a"]), ("fcfs", ["a", "b", "c", "d"])])
+def test_scheduling_policy_orders_waiting_requests(policy, order, tiny_checkpoints):
+    """One sequence at a time: under `priority` the lowest value runs first (vLLM's rule), ties by
+    arrival; under fcfs, arrival alone."""
+    llm = LLM(model=str(tiny_checkpoints["qwen2"]), scheduling_policy=policy, **small_engine_options(max_num_seqs=1))
+    engine = llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for request_id, priority in (("a", 5), ("b", 0), ("c", -2), ("d", 0)):
+        engine.add_request(request_id, [1, 2, 3, 4], params, priority=priority)
+    finished = []
+    while engine.has_unfinished():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert finished == order
+    engine.check_invariants()

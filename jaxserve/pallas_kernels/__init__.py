@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxserve.attention import FP8_BITS
 from jaxserve.pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
@@ -45,6 +46,9 @@ def ragged_paged_attention_pallas(
     block_kv (KV token slots per step; defaults to pages_per_block * page_size if only that is
     given) and split_tokens (decode split length; by default chosen to fill the GPU).
     """
+    if kv_pages.dtype == FP8_BITS:
+        raise ValueError("an fp8 KV pool stored as bytes (CPU) is read by the 'cpu' and 'xla' attention backends, "
+                         "not by the Pallas kernels")
     args = (q, kv_pages, kv_lens, page_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     platform = jax.default_backend()
