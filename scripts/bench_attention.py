@@ -6,6 +6,11 @@ SmolLM2-135M's heads (9 query, 3 KV, head size 64), float32, pages of 16 scatter
 Decode batches of 32 and 64 sequences (contexts drawn from 40-350 tokens) and a 512-token prefill
 step (two fresh 128-token prompts and a 256-token chunk after 200 tokens of context). Prints the
 median time of each backend, their ratio and the largest difference between their outputs.
+
+Then the C++ kernel alone on one decode step (--pool-seqs sequences of --pool-context tokens) with
+the pool in float32, int8 and float8_e4m3fn (issue 18's 8-bit KV cache; scales are applied by the
+caller, so the kernel reads the bytes as they are): time per pool dtype and the ratio to float32.
+`--section pools` runs only that table.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 def make_step(specs: list[tuple[int, int]], seed: int, num_pages: int = 4096) -> tuple:
     """specs: (new tokens, KV length) per sequence -> attention arguments and the new K/V."""
     rng = np.random.default_rng(seed)
+    num_pages = max(num_pages, 1 + sum(-(-kv // PAGE) for _, kv in specs))
     width = max(-(-kv // PAGE) for _, kv in specs)
     tables = np.zeros((len(specs), width), np.int32)
     free = rng.permutation(np.arange(1, num_pages))
@@ -65,10 +71,32 @@ def median_ms(fn, args, repeats: int) -> tuple[float, jax.Array]:
     return 1e3 * statistics.median(times), out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
+def to_8bit(pool: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The pool as an 8-bit cache would hold it (one static scale, here chosen to use the range)."""
+    if dtype == jnp.int8:
+        return jnp.clip(jnp.round(pool * 32.0), -127, 127).astype(jnp.int8)
+    return (pool * 64.0).astype(dtype)  # |x| * 64 stays far below e4m3fn's 448 for most entries
+
+
+def bench_pools(num_seqs: int, context: int, repeats: int) -> None:
+    """The kernel on one decode step, pool in float32 vs 8-bit (same q, same pages)."""
+    step, _, _ = make_step([(1, context)] * num_seqs, seed=7)
+    q, pool, *rest = step
+    scale = HEAD_DIM ** -0.5
+    cpu = jax.jit(lambda *a: ragged_paged_attention_cpu(*a, sm_scale=scale))
+    print(f"\ndecode, {num_seqs} sequences x {context} context, C++ kernel, pool of "
+          f"{pool.shape[0]} pages x {PAGE} tokens")
+    print(f"{'pool dtype':16s} {'pool MB':>8s} {'ms':>8s} {'vs float32':>11s}")
+    base = None
+    for dtype in (jnp.float32, jnp.int8, jnp.float8_e4m3fn):
+        p = pool if dtype == jnp.float32 else to_8bit(pool, dtype)
+        t, _ = median_ms(cpu, (q, p, *rest), repeats)
+        base = base or t
+        print(f"{jnp.dtype(dtype).name:16s} {p.nbytes / 1e6:8.1f} {t:8.2f} {t / base:10.2f}x")
+
+
+def bench_backends(repeats: int) -> None:
+    """The XLA serving path against the C++ kernel, float32, on mixed steps."""
     rng = np.random.default_rng(0)
     cases = {
         "decode, 32 sequences": [(1, int(n)) for n in rng.integers(40, 350, 32)],
@@ -81,10 +109,23 @@ def main() -> None:
         step, k_new, v_new = make_step(specs, seed=i)
         xla = jax.jit(lambda *a: ragged_paged_attention_split(*a, k_new=k_new, v_new=v_new, sm_scale=scale))
         cpu = jax.jit(lambda *a: ragged_paged_attention_cpu(*a, sm_scale=scale))
-        t_xla, out_xla = median_ms(xla, step, args.repeats)
-        t_cpu, out_cpu = median_ms(cpu, step, args.repeats)
+        t_xla, out_xla = median_ms(xla, step, repeats)
+        t_cpu, out_cpu = median_ms(cpu, step, repeats)
         diff = float(jnp.abs(out_xla - out_cpu).max())
         print(f"{name:24s} {t_xla:12.2f} {t_cpu:14.2f} {t_xla / t_cpu:8.2f}x {diff:11.1e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--section", choices=("all", "backends", "pools"), default="all")
+    ap.add_argument("--pool-seqs", type=int, default=64)
+    ap.add_argument("--pool-context", type=int, default=1000)
+    args = ap.parse_args()
+    if args.section in ("all", "backends"):
+        bench_backends(args.repeats)
+    if args.section in ("all", "pools"):
+        bench_pools(args.pool_seqs, args.pool_context, args.repeats)
 
 
 if __name__ == "__main__":

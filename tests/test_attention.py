@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -48,6 +49,19 @@ def make_case(seed: int, q_heads: int, kv_heads: int, head_dim: int, page_size: 
     args = (jnp.asarray(q, dtype), pool, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu),
             jnp.asarray([len(specs)], jnp.int32))
     return args, jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype)
+
+
+def with_8bit_pool(args, q_dtype, kv_dtype, seed: int):
+    """The case with its pool replaced by random 8-bit values over the dtype's whole range (NaN
+    aside) and q scaled down as a caller folds a K scale into it, so that scores stay O(1)."""
+    q, pool, *rest = args
+    raw = np.random.default_rng(seed).integers(0, 256, pool.shape, dtype=np.uint8)
+    if jnp.dtype(kv_dtype) == jnp.int8:
+        values, k_scale = raw.view(np.int8), 1 / 64
+    else:
+        raw[(raw & 0x7F) == 0x7F] = 0  # e4m3fn's two NaN bytes
+        values, k_scale = raw.view(ml_dtypes.float8_e4m3fn), 1 / 128
+    return (jnp.asarray(q * k_scale, q_dtype), jnp.asarray(values), *rest)
 
 
 def dense_reference(args, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
@@ -118,15 +132,68 @@ def test_pallas_gpu_kernel_interpret_matches_reference(case):
         assert rel(ours, ref) <= 1e-5
 
 
+# (q dtype, pool dtype): the float32 pool, and an 8-bit pool of each kind with each q dtype once;
+# test_cpu_kernel_8bit_pool_is_its_float32_value covers the other two pairs.
+POOLS = [("float32", "float32"), ("float32", "int8"), ("bfloat16", "float8_e4m3fn")]
+
+
+@pytest.mark.parametrize("pool", POOLS, ids="/".join)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_cpu_kernel_matches_reference(case):
+def test_cpu_kernel_matches_reference(case, pool):
     args, _, _ = make_case(300 + case, *CASES[case])
-    for window, cap in ((None, None), (5, None), (None, 4.0), (3, 4.0)):
+    options = ((None, None), (5, None), (None, 4.0), (3, 4.0))
+    if pool[1] != "float32":  # the 8-bit pools only change how K and V are read: fewer options
+        args, options = with_8bit_pool(args, *pool, seed=case), ((None, None), (3, 4.0))
+    # bfloat16 output: both sides round the same float32 result, at most one bfloat16 ulp apart.
+    tol = 1e-5 if pool[0] == "float32" else 2.0 ** -7
+    for window, cap in options:
         ref = ragged_paged_attention_xla(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap)
         ours = jax.jit(lambda *a: ragged_paged_attention_cpu(*a, sm_scale=0.125, sliding_window=window,
                                                              soft_cap=cap))(*args)
-        assert rel(ours, ref) <= 1e-5
+        assert ours.dtype == args[0].dtype
+        assert rel(ours, ref) <= tol
         assert float(jnp.abs(ours[-3:]).max()) == 0.0  # padding rows
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_cpu_kernel_8bit_pool_is_its_float32_value(q_dtype, kv_dtype):
+    """The contract: an 8-bit pool gives bit for bit the result of pool.astype(float32)."""
+    args, _, _ = make_case(400, *CASES[4])
+    q, pool, *rest = with_8bit_pool(args, q_dtype, kv_dtype, seed=1)
+    for window, cap in ((None, None), (3, 4.0)):
+        run = jax.jit(lambda *a: ragged_paged_attention_cpu(*a, sm_scale=0.125, sliding_window=window,
+                                                            soft_cap=cap))
+        want = run(q.astype(jnp.float32), pool.astype(jnp.float32), *rest).astype(q.dtype)
+        np.testing.assert_array_equal(np.asarray(run(q, pool, *rest)), np.asarray(want))
+
+
+# 64: the unrolled path; 256: the generic one; 8: below the x86 F16C path's 16 lanes, so the
+# portable decode (what CPUs without F16C run) is checked here too.
+@pytest.mark.parametrize("head_dim", [64, 256, 8])
+def test_cpu_kernel_decodes_every_fp8_byte_exactly(head_dim):
+    """One key: the output is its V, so V holding all 256 bytes shows each decoded value."""
+    kv_heads = 256 // head_dim
+    values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    pool = np.zeros((1, 1, 2 * kv_heads, head_dim), ml_dtypes.float8_e4m3fn)
+    pool[0, 0, 1::2] = values.reshape(kv_heads, head_dim)  # V of each head; K stays zero
+    q = jnp.zeros((1, kv_heads, head_dim), jnp.float32)
+    i32 = lambda *a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    out = ragged_paged_attention_cpu(q, jnp.asarray(pool), i32(1), i32([0]), i32(0, 1), i32(1), sm_scale=1.0)
+    got, want = np.asarray(out).ravel(), values.astype(np.float32)
+    nan = np.isnan(want)
+    assert nan.sum() == 2 and np.isnan(got[nan]).all()  # 0x7F and 0xFF
+    # (0x80's -0.0 comes out +0.0 here, as from a float32 pool: the weighted sum starts at +0.)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype", [("float32", "bfloat16"), ("bfloat16", "float32"),
+                                               ("float16", "int8"), ("int8", "int8"), ("float32", "uint8")])
+def test_cpu_kernel_rejects_other_dtypes(q_dtype, kv_dtype):
+    args, _, _ = make_case(0, *CASES[0])
+    q, pool, *rest = args
+    with pytest.raises(ValueError, match="CPU kernel takes"):
+        ragged_paged_attention_cpu(q.astype(q_dtype), pool.astype(kv_dtype), *rest, sm_scale=0.125)
 
 
 def test_cpu_kernel_many_sequences_over_threads():

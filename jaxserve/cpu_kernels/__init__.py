@@ -30,8 +30,25 @@ from jaxserve.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
-_TARGETS = {jnp.dtype(jnp.float32): "jaxserve_rpa_f32", jnp.dtype(jnp.bfloat16): "jaxserve_rpa_bf16"}
-_SYMBOLS = {"jaxserve_rpa_f32": "RaggedPagedAttentionF32", "jaxserve_rpa_bf16": "RaggedPagedAttentionBF16"}
+_F32, _BF16, _S8, _F8 = (jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
+# (q dtype, pool dtype) -> FFI target. A pool is q's dtype, or 8-bit (issue 18's KV cache, read as
+# its plain float value; the caller applies the scales).
+_TARGETS = {
+    (_F32, _F32): "jaxserve_rpa_f32",
+    (_BF16, _BF16): "jaxserve_rpa_bf16",
+    (_F32, _S8): "jaxserve_rpa_f32_s8",
+    (_BF16, _S8): "jaxserve_rpa_bf16_s8",
+    (_F32, _F8): "jaxserve_rpa_f32_f8e4m3fn",
+    (_BF16, _F8): "jaxserve_rpa_bf16_f8e4m3fn",
+}
+_SYMBOLS = {
+    "jaxserve_rpa_f32": "RaggedPagedAttentionF32",
+    "jaxserve_rpa_bf16": "RaggedPagedAttentionBF16",
+    "jaxserve_rpa_f32_s8": "RaggedPagedAttentionF32S8",
+    "jaxserve_rpa_bf16_s8": "RaggedPagedAttentionBF16S8",
+    "jaxserve_rpa_f32_f8e4m3fn": "RaggedPagedAttentionF32F8E4M3FN",
+    "jaxserve_rpa_bf16_f8e4m3fn": "RaggedPagedAttentionBF16F8E4M3FN",
+}
 # -march=native: the library is built on, and cached for, the CPU it runs on.
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 
@@ -106,13 +123,18 @@ def ragged_paged_attention_cpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
-    """Ragged paged attention on CPU. q: [T, H, D] -> [T, H, D]; padding rows give zeros.
-    q and the pool must share a dtype, float32 or bfloat16."""
-    if q.dtype != kv_pages.dtype or q.dtype not in _TARGETS:
-        raise ValueError(f"the CPU kernel takes float32 or bfloat16 q and pool of one dtype, got {q.dtype}/{kv_pages.dtype}")
+    """Ragged paged attention on CPU. q: [T, H, D] -> [T, H, D] in q's dtype; padding rows give zeros.
+
+    q is float32 or bfloat16; the pool is q's dtype, int8 or float8_e4m3fn. An 8-bit pool gives
+    exactly the result for ``kv_pages.astype(jnp.float32)``: any KV scales are the caller's to apply.
+    """
+    target = _TARGETS.get((jnp.dtype(q.dtype), jnp.dtype(kv_pages.dtype)))
+    if target is None:
+        raise ValueError("the CPU kernel takes float32 or bfloat16 q with a pool of q's dtype, int8 or "
+                         f"float8_e4m3fn; got q {q.dtype}, pool {kv_pages.dtype}")
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built; see the log")
-    call = jax.ffi.ffi_call(_TARGETS[q.dtype], jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     return call(q, kv_pages, i32(kv_lens), i32(page_tables), i32(cu_q_lens), i32(num_seqs),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
