@@ -190,14 +190,15 @@ def test_pages_per_gib(tiny_checkpoints):
     assert pages["bfloat16"] == 2 * pages["auto"] and pages["int8"] == pages["fp8_e4m3"] == 4 * pages["auto"], pages
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
-def test_engine_with_8bit_kv(kv_dtype, tiny_checkpoints):
-    """Batched = alone (continuous batching over 3 slots), the prefix cache gives the same tokens,
-    the pool is 8-bit, and its invariants hold after every run."""
+@pytest.mark.parametrize("kv_dtype, itemsize", [("int8", 1), ("fp8_e4m3", 1), ("bfloat16", 2)])
+def test_engine_with_kv_cache_dtype(kv_dtype, itemsize, tiny_checkpoints):
+    """A float32 model over a smaller pool (the default backend: the CPU kernel where it builds):
+    batched = alone (continuous batching over 3 slots), the prefix cache gives the same tokens,
+    and the pool's invariants hold after every run."""
     llm = LLM(model=str(tiny_checkpoints["qwen2"]), kv_cache_dtype=kv_dtype,
               **small_engine_options(max_num_seqs=3, max_num_batched_tokens=32))
     engine = llm.engine
-    assert engine.runner.kv_cache.dtype == engine.kv_dtype and engine.kv_dtype.itemsize == 1
+    assert engine.runner.kv_cache.dtype == engine.kv_dtype and engine.kv_dtype.itemsize == itemsize
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     engine.check_invariants()
@@ -243,7 +244,10 @@ def test_meshes_match_1x1(tiny_checkpoints):
         assert res[mesh]["pool"] == "int8"
         np.testing.assert_allclose(res[mesh]["k_scale"], one["k_scale"], rtol=1e-5)
         assert res[mesh]["tokens"] == one["tokens"], mesh
-        assert np.allclose(np.concatenate(res[mesh]["lps"]), np.concatenate(one["lps"]), atol=1e-3), mesh
+        # Not to 1e-3 as float pools are: a K or V element that the mesh computes 1e-6 away from
+        # a rounding boundary lands one int8 step away (measured: up to 0.04 in a logprob).
+        diff = np.abs(np.concatenate(res[mesh]["lps"]) - np.concatenate(one["lps"])).max()
+        assert diff <= 0.1, (mesh, diff)
 
 
 def test_config_flag_and_yaml(tmp_path):

@@ -30,7 +30,8 @@ from jaxserve.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
-_F32, _BF16, _S8, _F8 = (jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
+_F32, _BF16, _S8, _F8, _U8 = (jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn,
+                                                     jnp.uint8))
 # (q dtype, pool dtype) -> FFI target. A pool is q's dtype, or 8-bit (issue 18's KV cache, read as
 # its plain float value; the caller applies the scales).
 _TARGETS = {
@@ -40,6 +41,9 @@ _TARGETS = {
     (_BF16, _S8): "jaxserve_rpa_bf16_s8",
     (_F32, _F8): "jaxserve_rpa_f32_f8e4m3fn",
     (_BF16, _F8): "jaxserve_rpa_bf16_f8e4m3fn",
+    (_F32, _U8): "jaxserve_rpa_f32_u8e4m3fn",  # e4m3 stored as its bytes (attention.FP8_BITS)
+    (_BF16, _U8): "jaxserve_rpa_bf16_u8e4m3fn",
+    (_F32, _BF16): "jaxserve_rpa_f32_bf16",
 }
 _SYMBOLS = {
     "jaxserve_rpa_f32": "RaggedPagedAttentionF32",
@@ -48,6 +52,9 @@ _SYMBOLS = {
     "jaxserve_rpa_bf16_s8": "RaggedPagedAttentionBF16S8",
     "jaxserve_rpa_f32_f8e4m3fn": "RaggedPagedAttentionF32F8E4M3FN",
     "jaxserve_rpa_bf16_f8e4m3fn": "RaggedPagedAttentionBF16F8E4M3FN",
+    "jaxserve_rpa_f32_u8e4m3fn": "RaggedPagedAttentionF32U8E4M3FN",
+    "jaxserve_rpa_bf16_u8e4m3fn": "RaggedPagedAttentionBF16U8E4M3FN",
+    "jaxserve_rpa_f32_bf16": "RaggedPagedAttentionF32BF16",
 }
 # -march=native: the library is built on, and cached for, the CPU it runs on.
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
@@ -130,8 +137,8 @@ def ragged_paged_attention_cpu(
     """
     target = _TARGETS.get((jnp.dtype(q.dtype), jnp.dtype(kv_pages.dtype)))
     if target is None:
-        raise ValueError("the CPU kernel takes float32 or bfloat16 q with a pool of q's dtype, int8 or "
-                         f"float8_e4m3fn; got q {q.dtype}, pool {kv_pages.dtype}")
+        raise ValueError("the CPU kernel takes float32 or bfloat16 q with a pool of q's dtype, bfloat16, int8, "
+                         f"float8_e4m3fn or e4m3 bytes (uint8); got q {q.dtype}, pool {kv_pages.dtype}")
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built; see the log")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))

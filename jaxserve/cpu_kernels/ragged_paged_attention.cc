@@ -378,3 +378,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionF32F8E4M3FN,
                               (Attention<ffi::F32, float, ffi::F8E4M3FN, Fp8E4M3FN>), JAXSERVE_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionBF16F8E4M3FN,
                               (Attention<ffi::BF16, uint16_t, ffi::F8E4M3FN, Fp8E4M3FN>), JAXSERVE_BIND);
+// e4m3 pools kept as their bytes (uint8: XLA's CPU backend has no fp8 arithmetic, see
+// jaxserve.attention.FP8_BITS), and bfloat16 pools under float32 q (--kv-cache-dtype bfloat16).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionF32U8E4M3FN, (Attention<ffi::F32, float, ffi::U8, Fp8E4M3FN>),
+                              JAXSERVE_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionBF16U8E4M3FN,
+                              (Attention<ffi::BF16, uint16_t, ffi::U8, Fp8E4M3FN>), JAXSERVE_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionF32BF16, (Attention<ffi::F32, float, ffi::BF16, uint16_t>),
+                              JAXSERVE_BIND);
