@@ -24,7 +24,7 @@ class EngineConfig:
     kv_cache_memory: float = 1.0  # GiB for the KV pool when num_pages is None
     # The KV pool's dtype: "auto" (the model's), "float32", "bfloat16", "float16", "int8" or "fp8_e4m3"
     # ("fp8" = e4m3, as in vLLM). An 8-bit pool holds twice bfloat16's tokens in the same memory,
-    # with static per-layer, per-head scales calibrated at start-up (jaxserve/kv_quant.py).
+    # with static scales per layer, head and channel, calibrated at start-up (jaxserve/kv_quant.py).
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "xla" | "pallas" | "cpu" | "xla-reference" (the test oracle)

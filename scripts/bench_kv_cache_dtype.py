@@ -3,7 +3,7 @@ fp8 e4m3 KV (--kv-cache-dtype).
 
     python scripts/bench_kv_cache_dtype.py --out docs/results/bench_kv_cache_dtype.json
 
-For each: pages and tokens in a 1 GiB KV budget, sequences of --context tokens that fit, offline
+For each: pages and tokens in a 1 GiB KV budget (--kv-cache-memory), sequences of --context tokens that fit, offline
 throughput (128 requests, prompts 10-160 tokens, outputs 32-128, greedy, EOS ignored), and for the
 8-bit pools the teacher-forced disagreement with float32 KV on tests/data/quant_texts.json (argmax
 agreement, |d log p| of the text's next token). bfloat16 KV: its page count only.
@@ -45,7 +45,7 @@ def text_logits(llm: LLM) -> tuple[list, list]:
 
 def run(kv_dtype: str, args, measure: bool) -> dict:
     t0 = time.perf_counter()
-    llm = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=1.0, max_num_seqs=args.max_num_seqs,
+    llm = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=512, max_model_len=args.context, enable_prefix_caching=False,
               compile_ahead=measure, show_progress=False)
     e = llm.engine
@@ -63,7 +63,8 @@ def run(kv_dtype: str, args, measure: bool) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        r["offline"] = dict(seconds=dt, output_tokens=n, tok_per_s=n / dt, compiles_after_warmup=e.compiles_after_warmup)
+        r["offline"] = dict(seconds=dt, output_tokens=n, tok_per_s=n / dt, compiles_after_warmup=e.compiles_after_warmup,
+                            preemptions=e.scheduler.num_preemptions)
         r["outputs"] = [o.outputs[0].token_ids for o in outs]
         r["text_ids"], r["text_logits"] = text_logits(llm)
     del llm, e
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--context", type=int, default=2048, help="max_model_len, and the sequence length counted")
+    ap.add_argument("--kv-cache-memory", type=float, default=1.0,
+                    help="GiB of KV pool; small values (0.1) make the budget bind, so preemption shows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON results path")
     args = ap.parse_args()
@@ -90,16 +93,17 @@ def main() -> None:
         for k in ("outputs", "text_ids", "text_logits"):
             r.pop(k, None)
     results.update(runs)
-    print(f"\ndefault model (SmolLM2-135M, float32 weights), {results['machine']}; 1 GiB KV budget; offline: "
+    print(f"\ndefault model (SmolLM2-135M, float32 weights), {results['machine']}; {args.kv_cache_memory} GiB KV; offline: "
           f"{args.num_prompts} requests, greedy, max_num_seqs {args.max_num_seqs}")
     print(f"{'kv cache':10s} {'pool':>8s} {'pages':>7s} {'tokens':>9s} {'seqs@' + str(args.context):>10s} "
-          f"{'offline tok/s':>14s} {'vs f32':>7s}  teacher-forced vs f32 KV")
+          f"{'offline tok/s':>14s} {'vs f32':>7s} {'preempt':>8s}  teacher-forced vs f32 KV")
     base = runs["auto"]["offline"]["tok_per_s"]
     for k, r in runs.items():
         off = r.get("offline")
         d = r.get("vs_float32")
         print(f"{k:10s} {r['pool_dtype']:>8s} {r['pages']:7d} {r['tokens']:9d} {r['sequences_of_context']:10d} "
-              + (f"{off['tok_per_s']:14.1f} {off['tok_per_s'] / base:6.2f}x" if off else f"{'-':>14s} {'-':>7s}")
+              + (f"{off['tok_per_s']:14.1f} {off['tok_per_s'] / base:6.2f}x {off['preemptions']:8d}" if off
+                 else f"{'-':>14s} {'-':>7s} {'-':>8s}")
               + (f"  disagree {100 * d['teacher_forced_disagreement']:.2f}% of {d['text_tokens']}, mean |d log p| "
                  f"{d['dlogp_mean']:.3f} (max {d['dlogp_max']:.2f}); free-running {d['free_running_identical']} "
                  f"identical" if d else ""))

@@ -306,7 +306,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         ids = list(self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True).input_ids)[: self.max_model_len]
         scales = calibrate(model, ids, page_size, self.kv_dtype)
-        log.info("KV cache %s: static scales per layer and head, calibrated on %d tokens in %.1f s "
+        log.info("KV cache %s: static scales per layer, head and channel, calibrated on %d tokens in %.1f s "
                  "(K scale %.3g..%.3g, V scale %.3g..%.3g)", self.kv_dtype.name, len(ids), time.perf_counter() - t0,
                  float(scales.k.min()), float(scales.k.max()), float(scales.v.min()), float(scales.v.max()))
         return scales
