@@ -42,3 +42,17 @@ def prefill_logits(model, prompts: list[list[int]], page_size: int = 16, attenti
     hidden, _ = model(jnp.asarray(tokens, jnp.int32), md, kv, attention_fn, kv_write_fn)
     logits = np.asarray(model.compute_logits(hidden))
     return [logits[cu[i]: cu[i + 1]] for i in range(len(prompts))]
+
+
+def teacher_forced_gap(prompts: list[list[int]], ref: list[np.ndarray], other: list[np.ndarray]) -> dict:
+    """Over each prompt's positions, `other`'s logits against `ref`'s: argmax agreement and
+    |log p(next token)| differences."""
+    agree, dlogp = [], []
+    for p, a, b in zip(prompts, ref, other):
+        agree.append(a[:-1].argmax(-1) == b[:-1].argmax(-1))
+        la, lb = np.asarray(jax.nn.log_softmax(a, -1)), np.asarray(jax.nn.log_softmax(b, -1))
+        t = np.asarray(p[1:])[:, None]
+        dlogp.append(np.abs(np.take_along_axis(la[:-1], t, 1) - np.take_along_axis(lb[:-1], t, 1))[:, 0])
+    agree, dlogp = np.concatenate(agree), np.concatenate(dlogp)
+    return dict(tokens=len(agree), agree=float(agree.mean()), dlogp_mean=float(dlogp.mean()),
+                dlogp_max=float(dlogp.max()))

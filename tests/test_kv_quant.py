@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_ARCHS, small_engine_options
-from model_utils import prefill_logits
+from model_utils import prefill_logits, teacher_forced_gap
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import FP8_BITS, get_attention_fn, pool_values, ragged_paged_attention_xla, write_kv
@@ -136,16 +136,8 @@ def compare(model: LlamaForCausalLM, prompts: list[list[int]], dtype, calibratio
     """Teacher-forced over each prompt: argmax agreement and |log p(next token)| differences between
     a float pool and an 8-bit one with calibrated scales."""
     scales = calibrate(model, calibration, 16, dtype)
-    agree, dlogp = [], []
-    for p, a, b in zip(prompts, prefill_logits(model, prompts),
-                       prefill_logits(model, prompts, kv_dtype=dtype, kv_scales=scales)):
-        agree.append(a[:-1].argmax(-1) == b[:-1].argmax(-1))
-        la, lb = np.asarray(jax.nn.log_softmax(a, -1)), np.asarray(jax.nn.log_softmax(b, -1))
-        t = np.asarray(p[1:])[:, None]
-        dlogp.append(np.abs(np.take_along_axis(la[:-1], t, 1) - np.take_along_axis(lb[:-1], t, 1))[:, 0])
-    agree, dlogp = np.concatenate(agree), np.concatenate(dlogp)
-    return dict(tokens=len(agree), agree=float(agree.mean()), dlogp_mean=float(dlogp.mean()),
-                dlogp_max=float(dlogp.max()))
+    return teacher_forced_gap(prompts, prefill_logits(model, prompts),
+                              prefill_logits(model, prompts, kv_dtype=dtype, kv_scales=scales))
 
 
 # The default model (SmolLM2-135M from its Q4_1 GGUF), 12 texts, 573 scored tokens; measured:

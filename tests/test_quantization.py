@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_ARCHS, small_engine_options
-from model_utils import prefill_logits
+from model_utils import prefill_logits, teacher_forced_gap
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, add_engine_args, config_from_args
@@ -114,15 +114,8 @@ def compare(cfg: ModelConfig, params: dict, prompts: list[list[int]], impl: str 
     f32 = LlamaForCausalLM.from_arrays(cfg, {k: jnp.asarray(v) for k, v in params.items()})
     q8 = LlamaForCausalLM.from_arrays(cfg, {k: jnp.asarray(v) for k, v in quantize_params(cfg, params).items()},
                                       quantization="int8", quant_impl=impl)
-    agree, dlogp = [], []
-    for p, a, b in zip(prompts, prefill_logits(f32, prompts), prefill_logits(q8, prompts)):
-        agree.append(a[:-1].argmax(-1) == b[:-1].argmax(-1))
-        la, lb = np.asarray(jax.nn.log_softmax(a, -1)), np.asarray(jax.nn.log_softmax(b, -1))
-        t = np.asarray(p[1:])[:, None]
-        dlogp.append(np.abs(np.take_along_axis(la[:-1], t, 1) - np.take_along_axis(lb[:-1], t, 1))[:, 0])
-    agree, dlogp = np.concatenate(agree), np.concatenate(dlogp)
-    return dict(tokens=len(agree), agree=float(agree.mean()), dlogp_mean=float(dlogp.mean()),
-                dlogp_max=float(dlogp.max()), impl=q8.quant_impl)
+    return dict(teacher_forced_gap(prompts, prefill_logits(f32, prompts), prefill_logits(q8, prompts)),
+                impl=q8.quant_impl)
 
 
 # Tiny random models (initializer_range 0.2, near-tied logits): measured agreement 0.93-0.98,
