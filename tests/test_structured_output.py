@@ -346,24 +346,44 @@ def test_http_invalid_constraints_are_400s_naming_the_field(so_srv, path, body, 
     assert_idle_and_consistent(so_srv, timeout=30)
 
 
-def test_overlapped_engine_steps_constrained_rows_every_call(engines):
-    """Under overlap a constrained row is planned only once its last token is read; the engine
-    reads a step with constrained rows before planning the next, so such a row still gains a
-    token per step() call (it gained one every other call before), beside an unconstrained row,
-    with the synchronous engine's tokens."""
+def test_overlapped_engine_steps_constrained_rows_every_call(engines, monkeypatch):
+    """Under overlap a constrained row is planned while its last token is still being sampled;
+    the model step is launched, the previous step read (its tokens advance the matchers), and the
+    sampler launched with the masks made then. So such a row gains a token per step() call, a step
+    stays in flight across calls (the device is never drained for the mask), and the tokens are
+    the synchronous engine's."""
     so = StructuredOutputsParams(regex="[a-z]{400}")  # longer than 30 tokens: max_tokens ends it
     reqs = [("c", PROMPTS[0], SamplingParams(max_tokens=30, temperature=1.0, seed=1, structured_outputs=so)),
             ("u", PROMPTS[1], SamplingParams(max_tokens=30, temperature=1.0, seed=2, ignore_eos=True))]
     engine = engines["overlap"]
+    events: list[str] = []
+
+    def record(obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapper(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(obj, attr, wrapper)
+
+    record(engine.runner, "launch", "launch")
+    record(engine.runner, "sample", "sample")  # (inside launch when nothing waits for a mask)
+    record(engine, "_read", "read")
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt, params)
-    calls, done, final = 0, {}, {}
+    calls, done, final, orders = 0, {}, {}, []
     while engine.has_unfinished():
         calls += 1
+        events.clear()
         for out in engine.step():
             if out.finished:
                 done[out.request_id], final[out.request_id] = calls, out
+        if "c" not in done:
+            orders.append(tuple(events))
     engine.check_invariants()
+    # Every call after the first: the model step is dispatched before the previous step is read,
+    # and the sampler after that read (not read-then-launch, which idles the device meanwhile).
+    assert orders[0] == ("launch", "read", "sample") and set(orders[1:]) == {("launch", "read", "sample")}, orders
     # 30 tokens each: the prefill step samples the first, then one per call, +1 for the
     # overlapped read of the last (every other call would take ~60).
     assert done["c"] <= 33 and done["u"] <= 33, (done, calls)

@@ -115,7 +115,7 @@ class _Launched:
 
     replica: "Replica"
     plan: Any
-    sampled: Any  # SampleOutput (device futures)
+    sampled: Any  # SampleOutput (device futures); a DeferredSample until step() samples it
     sampled_ids: Any  # the sampled ids padded to the widest bucket: a next step's prev_ids
     prompt_logprobs: Any
 
@@ -294,6 +294,8 @@ class LLMEngine:
         # followers replay plans one at a time, so a multi-host leader steps synchronously. So does
         # speculative decoding: the next step's drafts follow from what this one accepts.
         self.overlap = config.async_scheduling and not self.multihost and self.speculative is None
+        for replica in self.replicas:
+            replica.scheduler.defer_masks = self.overlap
         self._in_flight: list[_Launched] = []
         self.step_timings: deque = deque(maxlen=4096)  # (seqs, tokens, host s, schedule+device s)
         self._rng = np.random.default_rng(config.seed)
@@ -444,21 +446,12 @@ class LLMEngine:
         if self.multihost and self.broadcaster is None:
             # Followers released (or this is one): a step now would wait for them forever.
             raise RuntimeError("multi-host: this process does not drive the followers (stopped, or not process 0)")
-        drained: list[RequestOutput] = []
-        if self.overlap and any(x.plan.token_bitmask is not None for x in self._in_flight):
-            # A constrained row's next mask needs the token in flight, and the scheduler skips such
-            # a row until it is read: without this read the row would step only every other call.
-            # So while structured output runs, this step reads the last one before planning (the
-            # synchronous engine's pace for every row; the device still runs during the caller's
-            # work on the outputs).
-            to_read, self._in_flight = self._in_flight, []
-            drained = self._read(to_read)
         for replica in self.replicas:
             if replica.drafter is not None:  # the draft model's steps, before the target's is planned
                 replica.drafter.prepare(replica.scheduler.draft_candidates())
         plans = [replica.scheduler.schedule() for replica in self.replicas]
-        failed = drained + [self._failed_output(req) for replica in self.replicas
-                            for req in replica.scheduler.take_failed()]
+        failed = [self._failed_output(req) for replica in self.replicas
+                  for req in replica.scheduler.take_failed()]
         if all(plan is None for plan in plans) and not self._in_flight:
             self.keep_followers_alive()
             self._flush_kv_events()  # what aborts and failures evicted or cached meanwhile
@@ -480,6 +473,13 @@ class LLMEngine:
         else:
             to_read = launched
         outputs = failed + self._read(to_read, launched, t0, t1)
+        for x in launched:
+            if x.plan.mask_deferred:
+                # Structured output: the model step runs on the device while the previous step's
+                # tokens advanced the matchers above; now the masks exist, and the sampler follows.
+                mask = x.replica.scheduler.deferred_token_bitmask(x.plan)
+                x.sampled = x.replica.runner.sample(x.sampled, mask)
+                x.sampled_ids = x.replica.runner.last_sampled_ids
         self._flush_kv_events()
         return outputs
 

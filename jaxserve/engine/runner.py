@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -124,6 +125,19 @@ def unpack_step(buf: jax.Array, T: int, S: int, P: int) -> tuple:
     md = AttentionMetadata(positions=positions, slot_mapping=slots, kv_lens=kv_lens,
                            page_tables=tables.reshape(S, P), cu_q_lens=cu, num_seqs=num_seqs)
     return tokens, md, logits_indices, targets, token_src
+
+
+@dataclass
+class DeferredSample:
+    """A launched model step whose sampler waits for its token mask (device futures and inputs)."""
+
+    bucket: tuple[int, int, int]
+    logits: Any
+    samp_buf: Any
+    history: Any
+    logit_bias: Any
+    prev_ids: Any
+    want_logprobs: bool
 
 
 class ModelRunner:
@@ -293,16 +307,18 @@ class ModelRunner:
         _, _, tokens, md, logits_indices, samp, targets, token_src, _ = self._abstract_args(*bucket)
         return host_zeros((tokens, md, logits_indices, samp, targets, token_src))
 
-    def launch(self, plan: StepPlan, prev_ids: Any = None) -> SampleOutput:
+    def launch(self, plan: StepPlan, prev_ids: Any = None) -> SampleOutput | DeferredSample:
         """Dispatch one step and return without waiting for the device (its outputs are futures).
-        `prev_ids`: `last_sampled_ids` of the step the plan was made during (overlap), if any."""
+        `prev_ids`: `last_sampled_ids` of the step the plan was made during (overlap), if any.
+        A plan whose mask is deferred dispatches the model step only: `sample` it with the mask."""
         return self.launch_inputs(plan.bucket, self.step_inputs(plan, host_history=False), prev_ids,
-                                  plan.token_bitmask)
+                                  plan.token_bitmask, defer_sample=plan.mask_deferred)
 
     def launch_inputs(self, bucket: tuple[int, int, int], inputs: tuple, prev_ids: Any = None,
-                      token_bitmask: np.ndarray | None = None) -> SampleOutput:
+                      token_bitmask: np.ndarray | None = None,
+                      defer_sample: bool = False) -> SampleOutput | DeferredSample:
         """`token_bitmask`: [S, mask_words] allowed tokens when some row is constrained."""
-        step_fn, sample_fn = self.compile_bucket(bucket)
+        step_fn, _ = self.compile_bucket(bucket)
         tokens, md, logits_indices, samp, targets, token_src = inputs
         prev_ids = self._no_prev_ids if prev_ids is None else prev_ids
         history = self._empty_history(bucket[1]) if samp.history is None else samp.history
@@ -312,12 +328,18 @@ class ModelRunner:
         bias = pack_logit_bias(samp)
         bias = self._no_logit_bias(bucket[1]) if bias is None else bias
         self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
-        bitmask = self._no_mask(bucket[1]) if token_bitmask is None else token_bitmask
-        out, self.last_sampled_ids, self.penalty_state = sample_fn(logits, samp_buf, history, bias, prev_ids,
-                                                                  bitmask, self.penalty_state)
+        deferred = DeferredSample(bucket, logits, samp_buf, history, bias, prev_ids, bool(np.any(samp.want_logprobs)))
+        return deferred if defer_sample else self.sample(deferred, token_bitmask)
+
+    def sample(self, d: DeferredSample, token_bitmask: np.ndarray | None) -> SampleOutput:
+        """Dispatch the sampler of a launched model step (sets `last_sampled_ids`)."""
+        _, sample_fn = self.compile_bucket(d.bucket)
+        bitmask = self._no_mask(d.bucket[1]) if token_bitmask is None else token_bitmask
+        out, self.last_sampled_ids, self.penalty_state = sample_fn(d.logits, d.samp_buf, d.history, d.logit_bias,
+                                                                  d.prev_ids, bitmask, self.penalty_state)
         # Start the copies back now: by the time the host reads them (a step later, with
         # overlap) they are there, instead of one blocking transfer per array at fetch time.
-        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if np.any(samp.want_logprobs) \
+        for a in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if d.want_logprobs \
                 else (out.token_ids,):
             if a.is_fully_addressable:  # (multi-host: read per process by gather_outputs)
                 a.copy_to_host_async()

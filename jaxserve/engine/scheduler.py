@@ -104,6 +104,9 @@ class StepPlan:
     # [S, ceil(V/32)] int32 allowed tokens per row (structured output), all -1 for unconstrained
     # rows; None when no row of the step is constrained.
     token_bitmask: np.ndarray | None = None
+    # Constrained rows whose mask is made after the previous step is read (Scheduler.defer_masks):
+    # the runner launches the model step first and samples once the mask is there.
+    mask_deferred: bool = False
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -140,6 +143,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Structured output under overlap: plan a constrained request while its token is still
+        # being sampled, and make its mask once that token is read (deferred_token_bitmask). The
+        # engine sets it when it overlaps steps.
+        self.defer_masks = False
         self._running_groups: dict[str, list[Request]] = {}  # group_id -> its running siblings
         self._failed: list[Request] = []  # failed alone while preparing a step, not yet reported
         # Slots of the runner's penalty state: a running request that uses penalties holds one.
@@ -275,7 +282,7 @@ class Scheduler:
                 continue
             if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
                 continue  # its last token is being sampled: it finishes when that arrives
-            if req.constraint is not None and req.num_pending:
+            if req.constraint is not None and req.num_pending and not self.defer_masks:
                 continue  # structured output: its next mask needs the token still being sampled
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
@@ -553,7 +560,8 @@ class Scheduler:
                 targets[off: off + last - s.start] = req.prompt_token_ids[s.start + 1: last + 1]
                 wants_prompt_logprobs = True
         tokens[:num_tokens] = flat
-        bitmask = self._token_bitmask(scheduled, S)
+        constrained = any(s.sample and s.request.constraint is not None for s in scheduled)
+        bitmask = None if self.defer_masks else self._token_bitmask(scheduled, S)
         for i, s in enumerate(scheduled):  # the plan is final: its tokens count as computed
             s.request.num_computed_tokens = s.start + s.num_tokens
             if s.sample:
@@ -564,12 +572,21 @@ class Scheduler:
             kv_lens=kv_lens, page_tables=tables, cu_q_lens=cu, num_seqs=np.asarray([n], np.int32),
             logits_indices=logits_idx, sampling=samp, token_src=token_src, prompt_targets=targets,
             wants_prompt_logprobs=wants_prompt_logprobs, token_bitmask=bitmask, preempted=preempted,
+            mask_deferred=constrained and self.defer_masks,
         )
+
+    def deferred_token_bitmask(self, plan: StepPlan) -> np.ndarray | None:
+        """The mask of a plan made with `defer_masks`, once the step before it was read (its
+        tokens advanced the matchers). A request that finished meanwhile gets no mask: its token is
+        dropped when the plan's results arrive."""
+        return self._token_bitmask([s for s in plan.seqs if s.request.status != RequestStatus.FINISHED],
+                                   plan.bucket[1])
 
     @staticmethod
     def _token_bitmask(scheduled: list[ScheduledSeq], num_rows: int) -> np.ndarray | None:
         """The allowed tokens of each constrained row that samples this step (its matcher is up to
-        date: schedule() plans no constrained request with a token pending), or None."""
+        date: a constrained request with a token pending is planned only with `defer_masks`, and
+        its mask is then made after that token is read), or None."""
         rows = [(s.row, s.request.constraint) for s in scheduled
                 if s.sample and s.request.constraint is not None]
         if not rows:
