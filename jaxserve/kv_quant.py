@@ -9,8 +9,8 @@ it held floats (it upcasts what it loads); the scales never enter a kernel, chan
     sum_j p_j (v_q_j * vs) = vs * sum_j p_j v_q_j  -> the output by the V scales.
 
 The scales come from a calibration pass at start-up: the model prefills a fixed text into a
-float pool, and the largest |K| and |V| of each layer, head and channel there, times `CALIBRATION_MARGIN`, map
-to the format's largest value. Larger values at serving time saturate.
+float pool, and the largest |K| and |V| of each layer, head and channel there, times
+`CALIBRATION_MARGIN`, map to the format's largest value. Larger values at serving time saturate.
 
 The layer of a call is read off its indices, because the model views the pool flat over layers
 (layer l's pages are l * num_pages + page; see LlamaForCausalLM.__call__): the backends and the
