@@ -50,8 +50,9 @@ class EngineConfig:
     # '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'. Off by default;
     # see jaxserve/engine/speculative.py. Steps then run synchronously (no overlap).
     speculative_config: str | dict | None = None
-    # Weight-only quantization: "none" or "int8" (symmetric int8, a float32 scale per 32 inputs,
-    # quantized at load from any checkpoint and cached; see jaxserve/quantization.py).
+    # Weight-only quantization: "none", "int8" (affine int8, a float32 scale and offset per 32
+    # inputs, quantized at load from any checkpoint and cached) or "gguf" (a GGUF file's Q8_0 /
+    # Q4_0 / Q4_1 weights served as stored); see jaxserve/quantization.py.
     quantization: str = "none"
     # Float32 on one CPU device: steps of at most 8 rows compute their projections with a kernel of
     # ours that reads the stacked layer weights in place (XLA copies each layer's slice first):
@@ -135,7 +136,8 @@ def add_engine_args(parser: Any) -> None:
             from jaxserve.quantization import METHODS
 
             parser.add_argument(flag, dest=f.name, default=None, choices=METHODS,
-                                help="weight-only quantization (int8: a scale per 32 inputs)")
+                                help="weight-only quantization (int8: a scale and offset per 32 inputs; "
+                                     "gguf: a .gguf file's Q8_0/Q4_0/Q4_1 weights as stored)")
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], None)
             parser.add_argument(flag, dest=f.name, default=None,

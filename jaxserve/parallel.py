@@ -189,8 +189,9 @@ def describe_layout(cfg: ModelConfig, layout: HeadLayout, tp: int) -> str:
 
 
 def param_sharding(mesh: Mesh, name: str, quantized: bool = False) -> NamedSharding:
-    """quantized: `name` is stored int8-transposed, or is a scale (see jaxserve/quantization.py)."""
-    if quantized or name.endswith("_scale"):
+    """quantized: `name` is stored quantized and transposed, or is a scale or an offset (see
+    jaxserve/quantization.py)."""
+    if quantized or name.endswith(("_scale", "_offset")):
         from jaxserve.quantization import partition_spec
 
         return NamedSharding(mesh, partition_spec(name, PARAM_SPECS))
@@ -199,12 +200,12 @@ def param_sharding(mesh: Mesh, name: str, quantized: bool = False) -> NamedShard
 
 def shard_params(params: dict[str, np.ndarray], mesh: Mesh, dtype: Any) -> dict[str, jax.Array]:
     """Host arrays -> arrays sharded by the rules; each device receives only its own slice.
-    Quantized weights (int8, with a `name_scale` beside them) keep their int8 / float32 dtypes."""
+    Quantized weights (with a `name_scale` beside them), their scales and offsets keep their dtypes."""
     out = {}
     for name, host in params.items():
         quantized = name + "_scale" in params
         sharding = param_sharding(mesh, name, quantized)
-        kind = host.dtype if quantized or name.endswith("_scale") else np.dtype(dtype)
+        kind = host.dtype if quantized or name.endswith(("_scale", "_offset")) else np.dtype(dtype)
 
         def shard(index, host=host, kind=kind):
             return np.asarray(host[index], kind)

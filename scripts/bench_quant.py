@@ -1,12 +1,13 @@
-"""float32 vs --quantization int8 on the default model, in one run.
+"""float32 vs --quantization int8 vs --quantization gguf on the default model, in one run.
 
     python scripts/bench_quant.py --out docs/results/bench_quant.json
 
 For each: weight bytes, start-up, offline throughput (128 requests, prompts 10-160 tokens, outputs
 32-128, greedy, EOS ignored, continuous batching), decode tok/s at concurrency 1 and 8 (128 output
-tokens each), and, for int8, its greedy disagreement with float32: teacher-forced (argmax at every
-position of a fixed text set, tests/data/quant_texts.json) and free-running (the offline outputs).
-Prints a table and writes JSON (--out).
+tokens each), and, for the quantized ones, greedy disagreement with float32: teacher-forced (argmax
+at every position of a fixed text set, tests/data/quant_texts.json) and free-running (the offline
+outputs). Prints a table and writes JSON (--out). The default model's float32 weights are its
+Q4_1 file dequantized, so `gguf` (the same weights, never dequantized) should agree exactly.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def run(quantization: str, prompts_fn, args) -> dict:
     llm = LLM(quantization=quantization, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
               max_model_len=1024, enable_prefix_caching=False, show_progress=False)
     r: dict = dict(startup_seconds=time.perf_counter() - t0, weight_bytes=llm.engine.weight_bytes,
-                   impl=llm.engine.runner.model.quant_impl if quantization == "int8" else "xla f32")
+                   impl=llm.engine.runner.model.quant_impl if quantization != "none" else "xla f32")
     prompts, output_lens = prompts_fn(llm.get_tokenizer())
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="decode runs per concurrency (median)")
+    ap.add_argument("--methods", default="int8,gguf", help="quantizations to compare with float32, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON results path")
     args = ap.parse_args()
@@ -126,31 +128,39 @@ def main() -> None:
     results: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.processor() or ''}".strip(", "),
                      "args": vars(args)}
     t0 = time.perf_counter()
-    runs = {q: run(q, prompts_fn, args) for q in ("none", "int8")}
-    results["float32"], results["int8"] = runs["none"], runs["int8"]
-    results["int8"]["vs_float32"] = disagreement(runs["none"], runs["int8"])
+    methods = ["none", *args.methods.split(",")]
+    runs = {q: run(q, prompts_fn, args) for q in methods}
+    names = {q: "float32" if q == "none" else q for q in methods}
+    for q in methods:
+        results[names[q]] = runs[q]
+        if q != "none":
+            runs[q]["vs_float32"] = disagreement(runs["none"], runs[q])
     for r in runs.values():
         for k in ("outputs", "text_ids", "text_logits"):
             r.pop(k)
-    f, q = results["float32"], results["int8"]
+    f = runs["none"]
     print(f"\ndefault model (SmolLM2-135M from its Q4_1 GGUF), {results['machine']}; offline: {args.num_prompts} "
           f"requests, input {args.min_input_len}-{args.max_input_len}, output {args.min_output_len}-"
           f"{args.max_output_len} tokens, greedy, max_num_seqs {args.max_num_seqs}")
-    print(f"{'':28s} {'float32':>10s} {'int8':>10s} {'int8/f32':>9s}")
-    rows = [("weights MiB", f["weight_bytes"] / 2**20, q["weight_bytes"] / 2**20),
-            ("start-up s", f["startup_seconds"], q["startup_seconds"]),
-            ("offline out tok/s", f["offline"]["tok_per_s"], q["offline"]["tok_per_s"]),
-            (f"decode c1 tok/s ({args.decode_tokens})", f["decode_c1_tok_per_s"], q["decode_c1_tok_per_s"]),
-            (f"decode c8 tok/s ({args.decode_tokens})", f["decode_c8_tok_per_s"], q["decode_c8_tok_per_s"])]
-    for name, a, b in rows:
-        print(f"{name:28s} {a:10.1f} {b:10.1f} {b / a:8.2f}x")
-    d = q["vs_float32"]
-    print(f"int8 vs float32: teacher-forced greedy disagreement {100 * d['teacher_forced_disagreement']:.2f}% of "
-          f"{d['text_tokens']} text tokens, mean |d log p| {d['dlogp_mean']:.3f} (max {d['dlogp_max']:.2f}); "
-          f"free-running: {d['free_running_identical']} outputs identical, "
-          f"{100 * d['free_running_share_before_first_divergence']:.1f}% of tokens before the first divergence")
-    print(f"int8 linear layers on: {q['impl']}; compiles after warm-up: f32 {f['offline']['compiles_after_warmup']}, "
-          f"int8 {q['offline']['compiles_after_warmup']}; total {time.perf_counter() - t0:.0f} s")
+    quantized = methods[1:]
+    print(f"{'':28s} {'float32':>10s}" + "".join(f" {names[q]:>10s} {'/f32':>6s}" for q in quantized))
+    rows = [("weights MiB", lambda r: r["weight_bytes"] / 2**20),
+            ("start-up s", lambda r: r["startup_seconds"]),
+            ("offline out tok/s", lambda r: r["offline"]["tok_per_s"]),
+            (f"decode c1 tok/s ({args.decode_tokens})", lambda r: r["decode_c1_tok_per_s"]),
+            (f"decode c8 tok/s ({args.decode_tokens})", lambda r: r["decode_c8_tok_per_s"])]
+    for name, get in rows:
+        print(f"{name:28s} {get(f):10.1f}" + "".join(f" {get(runs[q]):10.1f} {get(runs[q]) / get(f):5.2f}x"
+                                                   for q in quantized))
+    for q in quantized:
+        d = runs[q]["vs_float32"]
+        print(f"{names[q]} vs float32: teacher-forced greedy disagreement {100 * d['teacher_forced_disagreement']:.2f}% "
+              f"of {d['text_tokens']} text tokens, mean |d log p| {d['dlogp_mean']:.2g} (max {d['dlogp_max']:.2g}); "
+              f"free-running: {d['free_running_identical']} outputs identical, "
+              f"{100 * d['free_running_share_before_first_divergence']:.1f}% of tokens before the first divergence; "
+              f"linear layers on {runs[q]['impl']}")
+    print("compiles after warm-up: " + ", ".join(f"{names[q]} {runs[q]['offline']['compiles_after_warmup']}"
+                                                 for q in methods) + f"; total {time.perf_counter() - t0:.0f} s")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -7,9 +7,10 @@ writes one, so that the loader is tested against the converter's conventions rat
   RMSNorm weights stored as 1 + w, the experts of a layer stacked into one [X, out, in] tensor;
 - a tokenizer in the file's metadata: byte-level BPE over the tiny models' 256 ids.
 
-`quant="Q8_0"` quantizes what llama.cpp would (matrices whose rows are whole 32-value blocks, not
-the MoE routers), and returns the weights as they come back from Q8_0, keyed by HF name, so that
-a test can build the HF reference from the very values the file holds.
+`quant="Q8_0"` (or "Q4_0", "Q4_1") quantizes what llama.cpp would (matrices whose rows are whole
+32-value blocks, not the MoE routers), and returns the weights as they come back from that
+quantization, keyed by HF name, so that a test can build the HF reference from the very values
+the file holds.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def write_gguf(hf_dir: Path, out: Path, quant: str = "F32", stack_experts: bool 
         if hp.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
         w.add_sliding_window(hp["sliding_window"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if quant == "F32" else getattr(gguf.LlamaFileType, f"MOSTLY_{quant}"))
     _write_tokenizer(w, hp)
 
     tensors = _hf_tensors(hf_dir)
@@ -140,8 +141,8 @@ def write_gguf(hf_dir: Path, out: Path, quant: str = "F32", stack_experts: bool 
         planned.append((new, np.stack([per[e] for e in range(len(per))])))
     for new, value in planned:
         if _quantizable(new, value, quant):
-            w.add_tensor(new, gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(new, gguf.quants.quantize(value, gguf.GGMLQuantizationType[quant]),
+                         raw_dtype=gguf.GGMLQuantizationType[quant])
         else:
             w.add_tensor(new, value)
     w.write_header_to_file()

@@ -160,7 +160,7 @@ class LLMEngine:
         num_replicas, tp = parallel.parse_mesh(config.mesh)
         cfg, params = load_weights(config.model, config.dtype, quantization=config.quantization)
         parallel.check_splittable(cfg, tp)
-        quantized = config.quantization == "int8"
+        quantized = config.quantization != "none"
         self.model_config = cfg
         self.tokenizer = load_tokenizer(config.model)
         dtype = resolve_dtype(config.dtype)
@@ -168,25 +168,25 @@ class LLMEngine:
         if not layout.is_identity:
             log.info(parallel.describe_layout(cfg, layout, tp))
         if quantized and not layout.is_identity:
+            if config.quantization == "gguf":
+                raise ValueError(f"--quantization gguf over a model axis of {tp}: the heads would be re-laid (padded or "
+                                 f"repeated), which needs dequantized weights; use --quantization int8 or a model axis "
+                                 f"that divides the {cfg.num_kv_heads} KV heads")
             # Heads are re-laid in float and quantized again: a round trip that changes no value
-            # (a group's max maps back to the same scale, every q to itself).
+            # (a group's min and max map back to the same scale and offset, every q to itself).
             from jaxserve.quantization import dequantize_params, quantize_params
 
             attn = ("wq", "wk", "wv", "wo")
-            served_cfg, params = parallel.apply_head_layout(cfg, dequantize_params(cfg, params, attn), layout)
-            params = quantize_params(served_cfg, params)
+            served_cfg, params = parallel.apply_head_layout(cfg, dequantize_params(params, attn), layout)
+            params = quantize_params(served_cfg, params, attn)
         else:
             served_cfg, params = parallel.apply_head_layout(cfg, params, layout)
         if quantized:
-            from jaxserve.quantization import check_splittable, quantized_names
+            from jaxserve.quantization import check_splittable, describe
 
             check_splittable(served_cfg, tp)
             self.weight_bytes = sum(int(a.nbytes) for a in params.values())
-            float_bytes = self.weight_bytes + sum(int(params[n].size) * (np.dtype(dtype).itemsize - 1)
-                                                  - int(params[n + "_scale"].nbytes) for n in quantized_names(cfg))
-            log.info("quantization int8 (weight-only, a scale per 32 inputs; %s): weights %.1f MiB, %s would be "
-                     "%.1f MiB", ", ".join(quantized_names(cfg)), self.weight_bytes / 2**20,
-                     np.dtype(dtype).name, float_bytes / 2**20)
+            log.info("quantization %s: %s", config.quantization, describe(params, dtype))
         else:
             self.weight_bytes = sum(int(a.size) * np.dtype(dtype).itemsize for a in params.values())
             log.info("weights %.1f MiB (%s)", self.weight_bytes / 2**20, np.dtype(dtype).name)
@@ -224,8 +224,8 @@ class LLMEngine:
             if is_8bit(self.kv_dtype) and kv_scales is None:  # replicas share the first one's scales
                 kv_scales = self._calibrate_kv_scales(model, page_size)
             if quantized:
-                log.info("int8 linear layers run on %s", "the CPU kernel (jax.ffi)" if model.quant_impl == "kernel"
-                         else "XLA (int8 weights dequantized inside the dot)")
+                log.info("quantized linear layers run on %s", "the CPU kernel (jax.ffi)"
+                         if model.quant_impl == "kernel" else "XLA (weights dequantized inside the dot)")
             pool = PagePool(num_pages, page_size)
             prefix_cache = None
             if config.enable_prefix_caching:

@@ -83,10 +83,19 @@ def load_weights(
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and stacked weights. Converted weights are cached with orbax so that a second start
     skips dequantization and restacking. quantization "int8": the linear layers come back
-    quantized (jaxserve.quantization.quantize_params), cached the same way under their own key."""
+    quantized (jaxserve.quantization.quantize_params), cached the same way under their own key.
+    quantization "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights as they are stored (not cached:
+    the file's bytes are only regrouped)."""
     from jaxserve.quantization import QUANT_CACHE_TAG, check_method, quantize_params
 
-    if check_method(quantization) == "int8":
+    if check_method(quantization) == "gguf":
+        path = Path(model) if model is not None else default_model_path()
+        if path.suffix != ".gguf" or not path.is_file():
+            raise ValueError(f"--quantization gguf serves a .gguf file's own quantization; {str(path)!r} is not one")
+        from jaxserve.loading.gguf_checkpoint import load_gguf
+
+        return load_gguf(path, np.dtype(resolve_dtype(dtype)), native=True)
+    if quantization == "int8":
         path = Path(model) if model is not None else default_model_path()
         if not path.exists():
             raise ValueError(f"model path {str(path)!r} does not exist")

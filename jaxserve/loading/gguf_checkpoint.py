@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): metadata to ModelConfig, tensors dequantized with the `gguf` package.
+"""GGUF files (llama.cpp): metadata to ModelConfig, tensors dequantized with the `gguf` package,
+or (``--quantization gguf``) the Q8_0 / Q4_0 / Q4_1 linear layers kept in their own quantization.
 
 Families: Llama (SmolLM2), Mistral, Qwen2, Qwen3, the mixture-of-experts Qwen3-MoE (`qwen3moe`),
 Qwen2-MoE (`qwen2moe`) and Mixtral (stored as `llama` with `llama.expert_count`), and Gemma 3 text
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from jaxserve.logs import progress
@@ -49,6 +50,14 @@ GGUF_EXPERT_STACKS = {"ffn_gate_exps": "we_gate", "ffn_up_exps": "we_up", "ffn_d
 # Mixtral files written before experts were stacked: one tensor per expert, `ffn_gate.3`.
 _PER_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)$")
 _PER_EXPERT_HF = {"gate": "w1", "up": "w3", "down": "w2"}
+# --quantization gguf: these tensors (our names) keep their file's quantization when every layer's
+# type is one of NATIVE_TYPES with the same kernel format (jaxserve/quantization.py); others are
+# dequantized as usual. Block layouts (ggml-common.h): Q8_0 = f16 d, 32 x int8 (w = d q);
+# Q4_0 = f16 d, 16 bytes of nibbles (w = d (q - 8)); Q4_1 = f16 d, f16 m, 16 bytes (w = d q + m).
+NATIVE_NAMES = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate",
+                "ffn_up": "w_up", "ffn_down": "w_down", "token_embd": "embed", "output": "lm_head"}
+NATIVE_TYPES = {GGMLQuantizationType.Q8_0: "int8", GGMLQuantizationType.Q4_0: "4-bit",
+                GGMLQuantizationType.Q4_1: "4-bit"}
 GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                      "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # Gemma 3 constants llama.cpp hard-codes, as its converter does not write them: every 6th layer
@@ -176,8 +185,48 @@ def _dense_mlp_layers(reader: GGUFReader) -> list[int]:
                    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.weight", t.name)})
 
 
-def load_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and stacked weights (in `dtype`) of a GGUF file, with llama.cpp's edits undone."""
+def native_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A Q8_0 / Q4_0 / Q4_1 tensor [out, in] as (q, scales, offsets) in jaxserve/quantization.py's
+    layout: the file's bytes regrouped, the f16 scales widened (exact); no weight is dequantized."""
+    from jaxserve.quantization import GROUP
+
+    out, n_in = _dims(t)
+    blocks = np.asarray(t.data, np.uint8).reshape(out, n_in // GROUP, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if t.tensor_type == GGMLQuantizationType.Q8_0:
+        return blocks[..., 2:].copy().view(np.int8).reshape(out, n_in), d, None
+    if t.tensor_type == GGMLQuantizationType.Q4_0:
+        return blocks[..., 2:].reshape(out, n_in // 2).copy(), d, np.float32(-8.0) * d
+    if t.tensor_type == GGMLQuantizationType.Q4_1:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return blocks[..., 4:].reshape(out, n_in // 2).copy(), d, m
+    raise ValueError(f"{t.name}: {t.tensor_type.name} is not served natively")
+
+
+def _our_native_name(tensor_name: str) -> tuple[str, int] | None:
+    """GGUF tensor name -> (our parameter, layer or -1) for the weights NATIVE_NAMES lists."""
+    parts = tensor_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight" and parts[2] in NATIVE_NAMES:
+        return NATIVE_NAMES[parts[2]], int(parts[1])
+    if len(parts) == 2 and parts[1] == "weight" and parts[0] in ("token_embd", "output"):
+        return NATIVE_NAMES[parts[0]], -1
+    return None
+
+
+def _native_params(reader: GGUFReader) -> dict[str, str]:
+    """Our parameter -> kernel format, for those whose every tensor has a type served natively,
+    all in one format (a stacked parameter holds one format)."""
+    kinds: dict[str, set[str | None]] = {}
+    for t in reader.tensors:
+        if (found := _our_native_name(t.name)) is not None:
+            kinds.setdefault(found[0], set()).add(NATIVE_TYPES.get(t.tensor_type))
+    return {name: next(iter(k)) for name, k in kinds.items() if len(k) == 1 and None not in k}
+
+
+def load_gguf(path: Path, dtype: np.dtype, native: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and stacked weights (in `dtype`) of a GGUF file, with llama.cpp's edits undone.
+    native: the linear layers (and a tied embedding) stored as Q8_0 / Q4_0 / Q4_1 stay in that
+    quantization (jaxserve/quantization.py's layout, under name, name_scale, name_offset)."""
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     hf = gguf_hf_config(reader)
@@ -191,7 +240,26 @@ def load_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, dict[str, np.nd
     # (norm_offset), as HF does, so the config matches the HF directory's and bf16 keeps w's precision.
     norm_shift = 1.0 if arch == "gemma3" else 0.0
     stacked = StackedParams(cfg, dtype)
+    native_names: dict[str, str] = {}
+    if native:
+        if cfg.is_moe:
+            raise ValueError("--quantization gguf does not support mixture-of-experts models yet; "
+                             "serve it without --quantization (dequantized)")
+        native_names = _native_params(reader)
+        stacked.exclude(set(native_names))
+    kept: dict[str, list[Any]] = {}  # our name -> per-layer (q, s, m), or one entry for a global
     for t in progress(reader.tensors, "dequantizing GGUF", unit="tensor"):  # a bar only on a terminal
+        found = _our_native_name(t.name)
+        if found is not None and found[0] in native_names:
+            name, layer = found
+            q, scale, offset = native_blocks(t)
+            if permute_qk and name in ("wq", "wk"):
+                heads = cfg.num_heads if name == "wq" else cfg.num_kv_heads
+                q, scale = _unpermute_rope(q, heads), _unpermute_rope(scale, heads)
+                offset = None if offset is None else _unpermute_rope(offset, heads)
+            slots = kept.setdefault(name, [None] * (cfg.num_layers if layer >= 0 else 1))
+            slots[max(layer, 0)] = (q, scale, offset)
+            continue
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
             base, _, kind = rest.rpartition(".")
@@ -215,7 +283,18 @@ def load_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, dict[str, np.nd
         if norm_shift and base.endswith("norm"):
             value = value - np.float32(norm_shift)  # float32, before any cast to the serving dtype
         stacked.add(hf_name, value)
-    return cfg, stacked.finish()
+    params = stacked.finish()
+    for name, slots in kept.items():
+        if any(slot is None for slot in slots):
+            raise ValueError(f"{path.name}: {name} is missing in layers {[i for i, x in enumerate(slots) if x is None]}")
+        if name == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        stack = (lambda i: np.stack([slot[i] for slot in slots])) if name not in ("embed", "lm_head") else (
+            lambda i: slots[0][i])
+        params[name], params[name + "_scale"] = stack(0), stack(1)
+        if slots[0][2] is not None:
+            params[name + "_offset"] = stack(2)
+    return cfg, params
 
 
 def _dequantize(t: Any) -> np.ndarray:

@@ -68,6 +68,13 @@ class StackedParams:
         self.seen_experts: set[tuple[str, int, int]] = set()
         self.layer_names = {**LAYER_NAMES, **SANDWICH_NORM_NAMES} if cfg.sandwich_norms else LAYER_NAMES
 
+    def exclude(self, names: set[str]) -> None:
+        """Parameters the caller collects itself (GGUF weights kept quantized): not allocated,
+        not expected by finish()."""
+        for name in names:
+            self.shapes.pop(name, None)
+            self.arrays.pop(name, None)
+
     def _put(self, name: str, index: tuple[int, ...], value: np.ndarray, hf_name: str) -> None:
         if name not in self.shapes:
             raise ValueError(f"checkpoint tensor {hf_name!r} does not fit config {self.cfg.architecture}")

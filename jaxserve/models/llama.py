@@ -210,10 +210,11 @@ class LlamaForCausalLM(nnx.Module):
         # the mesh their weights are split over (None: unsplit). Static, not parameters.
         self.moe_impl = "auto"
         self.expert_mesh = None
-        # Weight-only quantization ("none" | "int8", see jaxserve/quantization.py) and how its
+        # Weight-only quantization ("none" | "int8" | "gguf", see jaxserve/quantization.py) and how its
         # linear layers run ("kernel": the CPU jax.ffi kernel, "xla"). Static, set by from_arrays.
         self.quantization = "none"
         self.quant_impl = "xla"
+        self.param_names: tuple[str, ...] = ()  # set by from_arrays where quantized weights change them
         # How float projections run in steps of few rows: "cpu_kernel" (jaxserve/cpu_kernels/
         # stacked_matmul.cc, reading the stacked weights in place) or "xla". Static, set by from_arrays.
         self.dense_impl = "xla"
@@ -247,13 +248,14 @@ class LlamaForCausalLM(nnx.Module):
                     quant_impl: str = "auto", dense_impl: str = "xla") -> "LlamaForCausalLM":
         """A model holding exactly these (already placed, possibly sharded) arrays: it is built
         abstractly first, so no device ever holds randomly initialised or full-size copies.
-        quantization "int8": `params` as jaxserve.quantization.quantize_params lays them out."""
+        quantization "int8" or "gguf": `params` with quantized weights laid out as in
+        jaxserve/quantization.py."""
         from jaxserve import quantization as quant
 
         model = nnx.eval_shape(lambda: cls(cfg, dtype))
         quant.check_method(quantization)
-        if quantization == "int8":
-            expected = quant.param_shapes(cfg, dtype)
+        if quantization != "none":
+            expected = quant.expected_params(cfg, dtype, params)
         else:
             expected = {name: (shape, jnp.dtype(dtype)) for name, shape in param_shapes(cfg).items()}
         missing = set(expected) - set(params)
@@ -266,7 +268,8 @@ class LlamaForCausalLM(nnx.Module):
                                  f"the config needs {want}{shape}")
             setattr(model, name, nnx.Param(value))
         model.quantization = quantization
-        if quantization == "int8":
+        model.param_names = tuple(expected)
+        if quantization != "none":
             model.quant_impl = quant.resolve_impl(quant_impl, params["wq"])
         else:
             model.dense_impl = resolve_dense_impl(dense_impl, params["wq"])
@@ -284,23 +287,20 @@ class LlamaForCausalLM(nnx.Module):
         return model
 
     def _param_names(self) -> list[str]:
-        if self.quantization == "int8":
-            from jaxserve.quantization import param_shapes as quantized_shapes
-
-            return list(quantized_shapes(self.cfg, self.dtype))
-        return list(param_shapes(self.cfg))
+        return list(self.param_names or param_shapes(self.cfg))
 
     def param_arrays(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in self._param_names()}
 
     def _linear(self, x: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
-        """x @ p[name]: a float weight [in, out], or int8 q [out, in] with p[name + "_scale"]."""
+        """x @ p[name]: a float weight [in, out], or quantized q [out, in(/2)] with p[name + "_scale"]
+        (and p[name + "_offset"])."""
         scale = p.get(name + "_scale")
         if scale is None:
             return x @ p[name]
         from jaxserve.quantization import linear
 
-        return linear(x, p[name], scale, self.quant_impl)
+        return linear(x, p[name], scale, p.get(name + "_offset"), self.quant_impl)
 
     def __call__(
         self,
@@ -324,8 +324,8 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq_local = self.inv_freq_local[...]
         have = set(self._param_names())
         layer_params = {n: getattr(self, n)[...] for n in LAYER_PARAMS if n in have}
-        layer_params.update({n + "_scale": getattr(self, n + "_scale")[...] for n in LAYER_PARAMS
-                             if n + "_scale" in have})
+        layer_params.update({n + suffix: getattr(self, n + suffix)[...] for n in LAYER_PARAMS
+                             for suffix in ("_scale", "_offset") if n + suffix in have})
         # Decode-sized steps on one CPU: the dense projections read the stacked weights in place
         # (the kernel); as scan inputs, XLA would copy every layer's slice of them first.
         from jaxserve.cpu_kernels.stacked import MAX_ROWS, stacked_matmul_cpu
@@ -394,10 +394,11 @@ class LlamaForCausalLM(nnx.Module):
             x = x + m
             return (x, pool), None
 
-        if self.quantization == "int8" and cfg.tie_word_embeddings:  # the head's int8 rows, dequantized
+        if "embed_scale" in self._param_names():  # a quantized embedding: its rows, dequantized
             from jaxserve.quantization import embed_rows
 
-            x = embed_rows(self.embed[...], self.embed_scale[...], tokens, self.dtype)
+            embed_offset = self.embed_offset[...] if "embed_offset" in self._param_names() else None
+            x = embed_rows(self.embed[...], self.embed_scale[...], embed_offset, tokens, self.dtype)
         else:
             x = self.embed[...][tokens].astype(self.dtype)
         if cfg.embed_scale:  # HF casts the normaliser to the model dtype first (sqrt(3072) -> 55.5 in bf16)
@@ -407,11 +408,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V]."""
-        if self.quantization == "int8":
-            name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
-            logits = self._linear(hidden, {name: getattr(self, name)[...],
-                                           name + "_scale": getattr(self, name + "_scale")[...]}, name)
-            logits = logits.astype(jnp.float32)
+        name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
+        have = self._param_names()
+        if name + "_scale" in have:
+            arrays = {n: getattr(self, n)[...] for n in (name, name + "_scale", name + "_offset") if n in have}
+            logits = self._linear(hidden, arrays, name).astype(jnp.float32)
         else:
             head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
             logits = (hidden @ head).astype(jnp.float32)

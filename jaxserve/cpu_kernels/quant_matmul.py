@@ -1,0 +1,102 @@
+"""x @ W for group-quantized weights on CPUs: ``quant_matmul.cc`` through ``jax.ffi``.
+
+Built and cached like the attention kernel (``jaxserve.cpu_kernels.build``), but without
+-march=native: the library carries AVX-512, AVX2 and portable paths and picks one at run time, so
+the same build serves any x86-64 CPU (and the portable path any other).
+
+Formats (see the .cc file): int8 q without offsets (q8, GGUF Q8_0), int8 q with offsets (q8a),
+packed 4-bit q as uint8 with offsets (q4a, GGUF Q4_0/Q4_1).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.cpu_kernels import build
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("quant_matmul.cc")
+# -ffp-contract=fast: a*b + c in the vector code becomes one FMA on the targets that have it.
+_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC"]
+_TARGETS = {"q8": ("jaxserve_q8_matmul_f32", "Q8MatmulF32"),
+            "q8a": ("jaxserve_q8a_matmul_f32", "Q8AffineMatmulF32"),
+            "q4a": ("jaxserve_q4a_matmul_f32", "Q4AffineMatmulF32")}
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+GROUP = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    import ctypes
+
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(_SOURCE, _FLAGS)))
+    except (OSError, RuntimeError) as e:
+        log.warning("CPU quantized matmul kernel unavailable, using the XLA path: %s", e)
+        return None
+    for target, symbol in _TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return lib
+
+
+def available() -> bool:
+    """Build (or find) and register the kernel once per process; False if that fails."""
+    return _library() is not None
+
+
+def best_isa() -> str:
+    """The instruction set "auto" runs on this CPU."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU quantized matmul kernel could not be built; see the log")
+    code = lib.JaxserveQuantBestIsa()
+    return next(name for name, c in ISAS.items() if c == code)
+
+
+def format_of(q: jax.Array, offsets: jax.Array | None) -> str:
+    """The kernel format of weights q (int8 or packed 4-bit uint8), with or without offsets."""
+    if q.dtype == jnp.uint8:
+        if offsets is None:
+            raise ValueError("packed 4-bit weights need offsets (GGUF Q4_0 is stored with offset -8 * scale)")
+        return "q4a"
+    if q.dtype == jnp.int8:
+        return "q8" if offsets is None else "q8a"
+    raise ValueError(f"quantized weights are int8 or packed 4-bit uint8; got {q.dtype}")
+
+
+def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
+                     isa: str = "auto", threads: int | None = None) -> jax.Array:
+    """x f32 [..., in] @ W.T -> f32 [..., out], W [out, in] given as q (int8 [out, in], or uint8
+    [out, in/2] of packed 4-bit values), scales f32 [out, in/32] and optional offsets f32
+    [out, in/32]: w = q * scale (+ offset). isa: force a path (tests); threads: cap on the
+    threads used (0: XLA's intra-op pool; None: $JAXSERVE_QUANT_THREADS, else 0)."""
+    if threads is None:
+        threads = int(os.environ.get("JAXSERVE_QUANT_THREADS", "0"))
+    fmt = format_of(q, offsets)
+    if x.dtype != jnp.float32 or scales.dtype != jnp.float32 or (offsets is not None and offsets.dtype != jnp.float32):
+        raise ValueError(f"the CPU quantized kernel takes f32 x, scales and offsets; got {x.dtype}, {scales.dtype}, "
+                         f"{None if offsets is None else offsets.dtype}")
+    out, n_in = q.shape[0], q.shape[1] * (2 if fmt == "q4a" else 1)
+    if x.shape[-1] != n_in or n_in % GROUP or scales.shape != (out, n_in // GROUP) or (
+            offsets is not None and offsets.shape != scales.shape):
+        raise ValueError(f"quantized matmul: x {x.shape}, q {q.shape}, scales {scales.shape}"
+                         f"{'' if offsets is None else f', offsets {offsets.shape}'} do not fit "
+                         f"(in must be a multiple of {GROUP})")
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {list(ISAS)}, got {isa!r}")
+    if not available():
+        raise RuntimeError("the CPU quantized matmul kernel could not be built; see the log")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, n_in)
+    call = jax.ffi.ffi_call(_TARGETS[fmt][0], jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32))
+    args = (x2, q, scales) if offsets is None else (x2, q, scales, offsets)
+    y = call(*args, isa=np.int32(ISAS[isa]), threads=np.int32(threads))
+    return y.reshape(*lead, out)
