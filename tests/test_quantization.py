@@ -252,6 +252,28 @@ def test_gguf_blocks_are_the_files_values(arch, quant, tiny_gguf):
     assert m["agree"] == 1.0 and m["dlogp_max"] <= 1e-4, m
 
 
+def test_gguf_q4_k_blocks_are_the_files_values():
+    """Q4_K (the gguf package cannot write it): random super-blocks, every byte pattern of the
+    6-bit scales and the nibbles, against the package's own dequantization."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from jaxserve.loading.gguf_checkpoint import native_blocks
+
+    out, n_in = 6, 768
+    raw = np.random.default_rng(8).integers(0, 256, (out, n_in // 256, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.013).tobytes(), np.uint8)  # d and dmin: finite f16
+    raw[..., 2:4] = np.frombuffer(np.float16(-0.007).tobytes(), np.uint8)
+    t = SimpleNamespace(name="blk.0.ffn_down.weight", data=raw.reshape(out, -1), shape=[n_in, out],
+                        tensor_type=GGMLQuantizationType.Q4_K)
+    q, s, m = native_blocks(t)
+    assert q.dtype == np.uint8 and q.shape == (out, n_in // 2) and s.shape == m.shape == (out, n_in // GROUP)
+    ref = gguf_dequantize(t.data, GGMLQuantizationType.Q4_K).reshape(out, n_in)
+    assert np.array_equal(dequantize(q, s, m).T, ref)
+
+
 def test_engine_serves_a_gguf_in_its_quantization(tiny_gguf, caplog):
     path = tiny_gguf("llama3", "Q4_1")
     with caplog.at_level(logging.INFO, logger="jaxserve.engine.engine"):

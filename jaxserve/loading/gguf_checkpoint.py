@@ -53,11 +53,13 @@ _PER_EXPERT_HF = {"gate": "w1", "up": "w3", "down": "w2"}
 # --quantization gguf: these tensors (our names) keep their file's quantization when every layer's
 # type is one of NATIVE_TYPES with the same kernel format (jaxserve/quantization.py); others are
 # dequantized as usual. Block layouts (ggml-common.h): Q8_0 = f16 d, 32 x int8 (w = d q);
-# Q4_0 = f16 d, 16 bytes of nibbles (w = d (q - 8)); Q4_1 = f16 d, f16 m, 16 bytes (w = d q + m).
+# Q4_0 = f16 d, 16 bytes of nibbles (w = d (q - 8)); Q4_1 = f16 d, f16 m, 16 bytes (w = d q + m);
+# Q4_K = 256 values: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
+# 128 bytes of nibbles (w = d sc_j q - dmin m_j): a 4-bit group of ours per sub-block.
 NATIVE_NAMES = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate",
                 "ffn_up": "w_up", "ffn_down": "w_down", "token_embd": "embed", "output": "lm_head"}
 NATIVE_TYPES = {GGMLQuantizationType.Q8_0: "int8", GGMLQuantizationType.Q4_0: "4-bit",
-                GGMLQuantizationType.Q4_1: "4-bit"}
+                GGMLQuantizationType.Q4_1: "4-bit", GGMLQuantizationType.Q4_K: "4-bit"}
 GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                      "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # Gemma 3 constants llama.cpp hard-codes, as its converter does not write them: every 6th layer
@@ -200,7 +202,27 @@ def native_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     if t.tensor_type == GGMLQuantizationType.Q4_1:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         return blocks[..., 4:].reshape(out, n_in // 2).copy(), d, m
+    if t.tensor_type == GGMLQuantizationType.Q4_K:
+        return _q4_k_groups(np.asarray(t.data, np.uint8).reshape(out, n_in // 256, 144), out, n_in)
     raise ValueError(f"{t.name}: {t.tensor_type.name} is not served natively")
+
+
+def _q4_k_groups(blocks: np.ndarray, out: int, n_in: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [out, n_in / 256, 144 bytes] -> 4-bit groups of 32 (ggml's
+    get_scale_min_k4 for the 6-bit scales and mins; the nibbles regrouped, not converted)."""
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    sc_bytes = blocks[..., 4:16]
+    low, high = sc_bytes[..., 0:4], sc_bytes[..., 8:12]  # sub-blocks 0-3 in bytes 0-7, 4-7 spread over all 12
+    scales = np.concatenate([low & 63, (high & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    mins = np.concatenate([sc_bytes[..., 4:8] & 63, (high >> 4) | ((sc_bytes[..., 4:8] >> 6) << 4)],
+                          axis=-1).astype(np.float32)
+    # Nibbles: 4 chunks of 32 bytes; chunk c's low nibbles are sub-block 2c, its high ones 2c + 1.
+    qs = blocks[..., 16:].reshape(out, n_in // 256, 4, 32)
+    values = np.stack([qs & 15, qs >> 4], axis=3).reshape(out, n_in)
+    from jaxserve.quantization import pack_q4
+
+    return pack_q4(values), (d * scales).reshape(out, -1), (-(dmin * mins)).reshape(out, -1)
 
 
 def _our_native_name(tensor_name: str) -> tuple[str, int] | None:
