@@ -114,7 +114,7 @@ async def serve(args: argparse.Namespace) -> int:
         e = engine.engine
         log.info("ready in %.1f s: model %s, mesh %s, dtype %s, %d KV pages x %d (%.2f GiB), %d buckets compiled "
                  "in %.1f s", time.perf_counter() - t0, model_name, config.mesh, e.config.dtype, e.num_pages,
-                 config.page_size, e.runner.kv_cache_bytes / 2**30, len(e.buckets.all()), e.runner.compile_seconds)
+                 e.pool.page_size, e.runner.kv_cache_bytes / 2**30, len(e.buckets.all()), e.runner.compile_seconds)
         await set_health(health, True)
         await stop.wait()
         engine.accepting = False

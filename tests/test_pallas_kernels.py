@@ -526,3 +526,21 @@ def test_tpu_limits_fail_early_with_the_setting_to_change(monkeypatch):
     big = plan_tpu_launch(num_tokens=512, num_heads=32, kv_heads=8, head_dim=128, page_size=16, max_seqs=64,
                           pages_per_seq=128, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, block_q=256)
     assert big.vmem_limit_bytes > 32 * 1024 * 1024 >= big.vmem_bytes // 2
+
+
+@pytest.mark.parametrize("kv_heads, head_dim", [(3, 64), (2, 64), (8, 128), (1, 128), (4, 256)])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+def test_min_page_size_is_what_the_tpu_plan_accepts(kv_heads, head_dim, kv_dtype):
+    """The engine raises page_size to min_page_size on TPU: the plan must accept it and refuse
+    half of it (when above 1). SmolLM2 (3 KV heads of 64) with 8-bit KV: 32 tokens a page."""
+    from jaxserve.pallas_kernels.ragged_paged_attention_tpu import min_page_size, plan_tpu_launch
+
+    need = min_page_size(kv_heads, head_dim, kv_dtype)
+    plan = functools.partial(plan_tpu_launch, num_tokens=64, num_heads=2 * kv_heads, kv_heads=kv_heads,
+                             head_dim=head_dim, max_seqs=8, pages_per_seq=8, q_dtype=jnp.bfloat16, kv_dtype=kv_dtype)
+    plan(page_size=need)
+    if need > 1:
+        with pytest.raises(ValueError, match="page_size"):
+            plan(page_size=need // 2)
+    if (kv_heads, head_dim) == (3, 64):
+        assert need == (32 if jnp.dtype(kv_dtype).itemsize == 1 else 16 if jnp.dtype(kv_dtype).itemsize == 2 else 8)

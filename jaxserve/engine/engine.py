@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxserve.cache.page_pool import PagePool
+from jaxserve.attention import resolve_backend
 from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -192,8 +193,8 @@ class LLMEngine:
             log.info("weights %.1f MiB (%s)", self.weight_bytes / 2**20, np.dtype(dtype).name)
         self.served_model_config = served_cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        page_size = config.page_size
         self.kv_dtype = storage_dtype(config.kv_cache_dtype, dtype, self.mesh.devices.flat[0].platform)
+        page_size = self._page_size(config, served_cfg, tp)
         # kv_cache_memory is per device: each device holds 1/tp of the (served) KV heads.
         bytes_per_page = served_cfg.kv_bytes_per_token // 4 * self.kv_dtype.itemsize * page_size // tp
         num_pages = config.num_pages or max(2, int(config.kv_cache_memory * 2**30 // bytes_per_page))
@@ -303,6 +304,21 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         # Structured output: grammars compiled against our tokenizer (llguidance's, built on first use).
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+
+    def _page_size(self, config: EngineConfig, served_cfg: Any, tp: int) -> int:
+        """config.page_size, raised where the TPU kernel needs larger pages (8-bit pools fill
+        32-row sublane tiles: the default model's need 32 tokens a page), with a log line."""
+        page_size = config.page_size
+        if self.mesh.devices.flat[0].platform != "tpu" or resolve_backend(config.attention_backend) != "pallas":
+            return page_size
+        from jaxserve.pallas_kernels.ragged_paged_attention_tpu import min_page_size
+
+        need = min_page_size(served_cfg.num_kv_heads // tp, served_cfg.head_dim, self.kv_dtype)
+        if page_size % need:
+            log.info("page_size %d -> %d: the TPU attention kernel's pages of %s KV must fill whole sublane tiles",
+                     page_size, max(page_size, need), self.kv_dtype.name)
+            page_size = max(page_size, need)
+        return page_size
 
     def _calibrate_kv_scales(self, model: Any, page_size: int) -> KVScales:
         t0 = time.perf_counter()

@@ -183,6 +183,26 @@ def _vmem_estimate(kv_heads: int, rows: int, lanes_q: int, kv_tokens: int, w: in
     return kv_bufs + q_out + scratch + temps
 
 
+def _slab_rows(kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(rows of 128 lanes a token takes in the pool slab, query lanes) for this head shape."""
+    if head_dim == 64:
+        return kv_heads, _LANES
+    if head_dim % _LANES == 0 and (head_dim // _LANES == 1 or head_dim // _LANES % 2 == 0):
+        return 2 * kv_heads * head_dim // _LANES, head_dim
+    raise ValueError(f"the TPU kernel supports head_dim 64, 128 or a multiple of 256, got "
+                     f"{head_dim}; use attention_backend='xla'")
+
+
+def min_page_size(kv_heads: int, head_dim: int, kv_dtype) -> int:
+    """The smallest page size (a power of two) whose pages fill whole sublane tiles and whole
+    token periods of the pool slab: what plan_tpu_launch accepts. kv_heads: per device."""
+    w, _ = _slab_rows(kv_heads, head_dim)
+    kv_dtype = jnp.dtype(kv_dtype)
+    need = math.lcm(_sublane_tile(kv_dtype) // math.gcd(w, _sublane_tile(kv_dtype)),
+                    _token_period(w, _packing(kv_dtype)))
+    return 1 << (need - 1).bit_length()
+
+
 def plan_tpu_launch(
     *, num_tokens: int, num_heads: int, kv_heads: int, head_dim: int, page_size: int,
     max_seqs: int, pages_per_seq: int, q_dtype, kv_dtype, block_q: int | None = None,
@@ -198,13 +218,7 @@ def plan_tpu_launch(
     if kv_dtype.itemsize == 1 and kv_dtype not in KV_8BIT_DTYPES:  # the unpacking decodes these two only
         raise ValueError(f"TPU kernel: 8-bit KV must be int8 or float8_e4m3fn, got {kv_dtype.name}")
     group = num_heads // kv_heads
-    if head_dim == 64:
-        w, lanes_q = kv_heads, _LANES
-    elif head_dim % _LANES == 0 and (head_dim // _LANES == 1 or head_dim // _LANES % 2 == 0):
-        w, lanes_q = 2 * kv_heads * head_dim // _LANES, head_dim
-    else:
-        raise ValueError(f"the TPU kernel supports head_dim 64, 128 or a multiple of 256, got "
-                         f"{head_dim}; use attention_backend='xla'")
+    w, lanes_q = _slab_rows(kv_heads, head_dim)
     kv_tile = _sublane_tile(kv_dtype)
     if not interpret and (page_size * w) % kv_tile:
         raise ValueError(
