@@ -52,7 +52,7 @@ class EngineConfig:
     speculative_config: str | dict | None = None
     # Weight-only quantization: "none", "int8" (affine int8, a float32 scale and offset per 32
     # inputs, quantized at load from any checkpoint and cached) or "gguf" (a GGUF file's Q8_0 /
-    # Q4_0 / Q4_1 weights served as stored); see jaxserve/quantization.py.
+    # Q4_0 / Q4_1 / Q4_K weights served as stored); see jaxserve/quantization.py.
     quantization: str = "none"
     # Float32 on one CPU device: steps of at most 8 rows compute their projections with a kernel of
     # ours that reads the stacked layer weights in place (XLA copies each layer's slice first):
@@ -137,7 +137,7 @@ def add_engine_args(parser: Any) -> None:
 
             parser.add_argument(flag, dest=f.name, default=None, choices=METHODS,
                                 help="weight-only quantization (int8: a scale and offset per 32 inputs; "
-                                     "gguf: a .gguf file's Q8_0/Q4_0/Q4_1 weights as stored)")
+                                     "gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K weights as stored)")
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], None)
             parser.add_argument(flag, dest=f.name, default=None,

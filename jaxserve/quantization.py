@@ -6,12 +6,13 @@ one float32 scale per group and, for the affine formats, one float32 offset:
 - int8 q [.., out, in], no offsets: GGUF Q8_0 served as it is.
 - int8 q with offsets: ``--quantization int8``. Each group's [min, max] maps onto -128..127
   (``s = (max - min) / 255``, ``m = min + 128 s``). Symmetric groups (``s = max|w| / 127``) were
-  tried first: 1.40% of greedy tokens flipped on the default model (affine: see
-  docs/benchmarks.md). One scale per output channel flipped 34%: its weights come from Q4_1, whose
-  blocks are 32 inputs wide, and such scales smear one block's outliers over all of them.
-- uint8 q [.., out, in / 2] of packed 4-bit values with offsets: GGUF Q4_1 (Q4_0 with
-  ``m = -8 s``) served as it is. A group's 16 bytes hold its elements i (low nibble) and i + 16
-  (high nibble), GGUF's own order, so the file's bytes are copied, never dequantized.
+  tried first: 1.40% of greedy tokens flipped on the default model, affine 0.52% (see
+  docs/quantization.md). One scale per output channel flipped 34%: its weights come from Q4_1,
+  whose blocks are 32 inputs wide, and such scales smear one block's outliers over all of them.
+- uint8 q [.., out, in / 2] of packed 4-bit values with offsets: GGUF Q4_1, Q4_0 (with
+  ``m = -8 s``) and Q4_K (a group per 32-value sub-block) served as they are. A group's 16 bytes
+  hold its elements i (low nibble) and i + 16 (high nibble), GGUF's own order for Q4_0/Q4_1, so
+  their bytes are copied, never dequantized.
 
 Layout: a model weight ``[..., in, out]`` is stored transposed, ``q [..., out, in]``,
 ``s`` and ``m`` ``[..., out, in/32]``, so that each output's weights and its scales are contiguous
@@ -20,7 +21,8 @@ LM head: one quantized array serves the head (a linear) and the embedding (gathe
 
 ``linear(x, q, s, m)`` is what the model calls: on one CPU device the ``jax.ffi`` kernel
 (``cpu_kernels/quant_matmul.cc``); elsewhere (TPU, GPU, meshes) XLA with the weights quantized in
-memory and the dequantization (convert * scale + offset) inside the jitted dot, where XLA fuses it.
+memory and the dequantization (convert * scale + offset) in the jitted step. XLA does not fuse the
+group scale into the dot there: it writes a float copy of W per call (tests/test_quant_compile.py).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def linear(x: jax.Array, q: jax.Array, s: jax.Array, m: jax.Array | None = None,
 
         return quant_matmul_cpu(x.astype(jnp.float32), q, s, m).astype(x.dtype)
     # Weights stay quantized in memory; convert * scale (+ offset) feeds the dot (contracting both
-    # on `in`), which XLA fuses on TPU/GPU instead of materialising a float copy of W.
+    # on `in`). XLA fuses a bare convert into the dot on TPU/GPU but not the group scale: it
+    # materialises a float W per call (tests/test_quant_compile.py); a Pallas kernel is the fix.
     w = dequantize_jnp(q, s, m, x.dtype)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 

@@ -17,8 +17,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jaxserve.cache.page_pool import PagePool
 from jaxserve.attention import resolve_backend
+from jaxserve.cache.page_pool import PagePool
 from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.detokenizer import IncrementalDetokenizer

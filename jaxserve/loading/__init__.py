@@ -84,7 +84,7 @@ def load_weights(
     """Config and stacked weights. Converted weights are cached with orbax so that a second start
     skips dequantization and restacking. quantization "int8": the linear layers come back
     quantized (jaxserve.quantization.quantize_params), cached the same way under their own key.
-    quantization "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights as they are stored (not cached:
+    quantization "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as they are stored (not cached:
     the file's bytes are only regrouped)."""
     from jaxserve.quantization import QUANT_CACHE_TAG, check_method, quantize_params
 

@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp): metadata to ModelConfig, tensors dequantized with the `gguf` package,
-or (``--quantization gguf``) the Q8_0 / Q4_0 / Q4_1 linear layers kept in their own quantization.
+or (``--quantization gguf``) the Q8_0 / Q4_0 / Q4_1 / Q4_K linear layers kept in their own quantization.
 
 Families: Llama (SmolLM2), Mistral, Qwen2, Qwen3, the mixture-of-experts Qwen3-MoE (`qwen3moe`),
 Qwen2-MoE (`qwen2moe`) and Mixtral (stored as `llama` with `llama.expert_count`), and Gemma 3 text
@@ -188,7 +188,7 @@ def _dense_mlp_layers(reader: GGUFReader) -> list[int]:
 
 
 def native_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A Q8_0 / Q4_0 / Q4_1 tensor [out, in] as (q, scales, offsets) in jaxserve/quantization.py's
+    """A Q8_0 / Q4_0 / Q4_1 / Q4_K tensor [out, in] as (q, scales, offsets) in jaxserve/quantization.py's
     layout: the file's bytes regrouped, the f16 scales widened (exact); no weight is dequantized."""
     from jaxserve.quantization import GROUP
 
@@ -247,7 +247,7 @@ def _native_params(reader: GGUFReader) -> dict[str, str]:
 
 def load_gguf(path: Path, dtype: np.dtype, native: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and stacked weights (in `dtype`) of a GGUF file, with llama.cpp's edits undone.
-    native: the linear layers (and a tied embedding) stored as Q8_0 / Q4_0 / Q4_1 stay in that
+    native: the linear layers and the embedding stored as Q8_0 / Q4_0 / Q4_1 / Q4_K stay in that
     quantization (jaxserve/quantization.py's layout, under name, name_scale, name_offset)."""
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
