@@ -24,12 +24,18 @@ if [ ! -f "$src/CMakeLists.txt" ]; then
   tar xzf "$dl/llama_cpp_python-$pin.tar.gz" -C "$root"
   rm -rf "$dl"
 fi
+# AMX off (-mno-amx-*, GGML_NATIVE otherwise kept): on this project's Sapphire-Rapids-class VMs the
+# native build's AMX path segfaults at the first matmul (ldtilecfg in ggml_backend_amx_mul_mat while
+# the server loads the model): llama.cpp issue 20824, fix proposed in PR 26954 (the tile config on
+# the stack is optimized away; permission only asked for on the main thread).
+noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 gen=()
 if command -v ninja >/dev/null; then gen=(-G Ninja); fi
 nice -n 19 cmake -S "$src" -B "$root/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
-  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+  -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx"
 nice -n 19 cmake --build "$root/build" -j"$jobs" --target llama-server
 test -x "$bin"
 echo "install_llama_cpp: llama.cpp (llama-cpp-python==$pin) llama-server in $bin"
