@@ -130,14 +130,18 @@ def dequantize_jnp(q: jax.Array, s: jax.Array, m: jax.Array | None, dtype: Any) 
     return groups.reshape(*q.shape[:-1], -1)
 
 
-def linear(x: jax.Array, q: jax.Array, s: jax.Array, m: jax.Array | None = None, impl: str = "xla") -> jax.Array:
+def linear(x: jax.Array, q: jax.Array, s: jax.Array, m: jax.Array | None = None, impl: str = "xla",
+           layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ W with W given as q [out, in] int8 (or [out, in/2] packed 4-bit), scales
     s [out, in/32] and optional offsets m -> [..., out] in x's dtype. impl: "kernel" (the CPU
-    jax.ffi kernel, float32 math) or "xla"."""
+    jax.ffi kernel, float32 math) or "xla". layer: q, s, m are stacked over layers and this
+    (traced) index picks one; the kernel reads it in place."""
     if impl == "kernel":
         from jaxserve.cpu_kernels.quant_matmul import quant_matmul_cpu
 
-        return quant_matmul_cpu(x.astype(jnp.float32), q, s, m).astype(x.dtype)
+        return quant_matmul_cpu(x.astype(jnp.float32), q, s, m, layer).astype(x.dtype)
+    if layer is not None:
+        q, s, m = q[layer], s[layer], None if m is None else m[layer]
     # Weights stay quantized in memory; convert * scale (+ offset) feeds the dot (contracting both
     # on `in`). XLA fuses a bare convert into the dot on TPU/GPU but not the group scale: it
     # materialises a float W per call (tests/test_quant_compile.py); a Pallas kernel is the fix.

@@ -4,6 +4,8 @@
         --out docs/results/bench_llama_cpp_f32.json
     flock /tmp/jaxserve-cpu.lock nice -n 19 .venv/bin/python scripts/bench_llama_cpp.py \\
         --jaxserve-args "--quantization int8" --out docs/results/bench_llama_cpp_int8.json
+    flock /tmp/jaxserve-cpu.lock nice -n 19 .venv/bin/python scripts/bench_llama_cpp.py \\
+        --jaxserve-args "--quantization gguf" --out docs/results/bench_llama_cpp_gguf.json
 
 llama-server comes from scripts/install_llama_cpp.sh (once, minutes; CPU only, Release,
 -DGGML_NATIVE=ON, no CURL, from the llama.cpp tree vendored in the PyPI sdist of
@@ -12,8 +14,9 @@ llama-cpp-python 0.3.36, since GitHub is out of reach here):
     bash scripts/install_llama_cpp.sh      # -> ~/.cache/jaxserve/llama-cpp/build/bin/llama-server
 
 Both serve the shipped Q4_1 GGUF (default: jaxserve.loading.default_model_path()): llama.cpp
-computes on the Q4_1 blocks themselves; jaxserve dequantizes them to float32 (its default) or
-requantizes to its own int8 (`--jaxserve-args "--quantization int8"`). One server runs at a time:
+computes on the Q4_1 blocks themselves; jaxserve dequantizes them to float32 (its default),
+requantizes to its own int8 (`--jaxserve-args "--quantization int8"`) or computes on the same
+blocks (`--jaxserve-args "--quantization gguf"`). One server runs at a time:
 jaxserve once (`python -m jaxserve.serve --model GGUF` plus --jaxserve-args) for both
 concurrencies, llama.cpp twice (`llama-server -m GGUF -t 2 -tb 2 --parallel P -c P*slot_ctx`, P=1
 for concurrency 1 and P=8 for concurrency 8). Every server gets the same client

@@ -89,6 +89,29 @@ def test_kernel_rows_are_independent_of_the_batch(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_reads_a_layer_of_stacked_weights_in_place(fmt):
+    """The model's layer scan passes whole stacks and a traced layer index (a scan input's slice
+    would be copied first): each layer's result is the unstacked call's, bit for bit."""
+    if not kernel.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(9)
+    layers = [random_quantized(rng, 40, 96, fmt) for _ in range(3)]
+    stack = tuple(None if layers[0][i] is None else jnp.asarray(np.stack([w[i] for w in layers])) for i in range(3))
+    x = jnp.asarray(rng.standard_normal((5, 96), dtype=np.float32))
+
+    def scan(x):
+        return jax.lax.scan(lambda c, l: (c, kernel.quant_matmul_cpu(x, *stack, layer=l)), 0, jnp.arange(3))[1]
+
+    got = np.asarray(jax.jit(scan)(x))
+    for i, w in enumerate(layers):
+        assert np.array_equal(got[i], np.asarray(kernel.quant_matmul_cpu(x, *as_jnp(*w))))
+    with pytest.raises(ValueError, match="layer index exactly when"):
+        kernel.quant_matmul_cpu(x, *stack)
+    with pytest.raises(Exception, match="layer index out of range"):
+        kernel.quant_matmul_cpu(x, *stack, layer=3).block_until_ready()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_xla_path_matches_kernel_and_reference(fmt):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((6, 192), dtype=np.float32)

@@ -379,43 +379,67 @@ ffi::Error Run(ffi::ThreadPool& pool, int32_t format, const float* x, const uint
   return ffi::Error::Success();
 }
 
-// Shapes: x [rows, in], q [out, in or in/2], s and m [out, in/32], y [rows, out].
+// Shapes: x [rows, in]; q [out, in or in/2], or stacked over layers [layers, out, in or in/2]
+// with `layer` picking one (the model's layer scan passes the whole stack and its index: as a scan
+// input, XLA would copy each layer's slice before the call, ~11 ms a decode step for the default
+// model); s and m shaped like q with in/32 last; y [rows, out].
+struct Shapes {
+  int64_t rows, in, out, layers;
+};
+
 template <typename QBuf>
 ffi::Error Check(const ffi::Buffer<ffi::F32>& x, const QBuf& q, const ffi::Buffer<ffi::F32>& s,
-                 const ffi::Buffer<ffi::F32>* m, ffi::Span<const int64_t> yd, int64_t in_per_byte) {
+                 const ffi::Buffer<ffi::F32>* m, const ffi::Buffer<ffi::S32>& layer, ffi::Span<const int64_t> yd,
+                 int64_t in_per_byte, Shapes& shapes) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = s.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("quantized matmul: x [rows, in], q [out, in(/2)], scales [out, in/32], y [rows, out]");
-  const int64_t rows = xd[0], in = xd[1], out = qd[0];
-  if (qd[1] * in_per_byte != in || in % kGroup != 0 || sd[0] != out || sd[1] != in / kGroup || yd[0] != rows ||
-      yd[1] != out)
+  if (xd.size() != 2 || (qd.size() != 2 && qd.size() != 3) || sd.size() != qd.size() || yd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "quantized matmul: x [rows, in], q [(layers,) out, in(/2)], scales [(layers,) out, in/32], y [rows, out]");
+  const size_t r = qd.size();
+  const int64_t rows = xd[0], in = xd[1], out = qd[r - 2], layers = r == 3 ? qd[0] : 1;
+  if (qd[r - 1] * in_per_byte != in || in % kGroup != 0 || sd[r - 2] != out || sd[r - 1] != in / kGroup ||
+      (r == 3 && sd[0] != layers) || yd[0] != rows || yd[1] != out)
     return ffi::Error::InvalidArgument("quantized matmul: shapes disagree (in must be a multiple of 32)");
-  if (m != nullptr && (m->dimensions().size() != 2 || m->dimensions()[0] != out || m->dimensions()[1] != in / kGroup))
-    return ffi::Error::InvalidArgument("quantized matmul: offsets must have the scales' shape");
+  if (m != nullptr) {
+    const auto md = m->dimensions();
+    if (md.size() != sd.size() || !std::equal(md.begin(), md.end(), sd.begin()))
+      return ffi::Error::InvalidArgument("quantized matmul: offsets must have the scales' shape");
+  }
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("quantized matmul: layer index out of range");
+  shapes = Shapes{rows, in, out, layers};
   return ffi::Error::Success();
 }
 
+template <int32_t F, typename QBuf>
+ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, QBuf& q, ffi::Buffer<ffi::F32>& s,
+                  ffi::Buffer<ffi::F32>* m, ffi::Buffer<ffi::S32>& layer, int32_t isa, int32_t threads,
+                  ffi::ResultBuffer<ffi::F32>& y) {
+  Shapes sh;
+  if (auto e = Check(x, q, s, m, layer, y->dimensions(), F == kQ4A ? 2 : 1, sh); e.failure()) return e;
+  const int64_t l = layer.typed_data()[0], groups = sh.in / kGroup;
+  const int64_t q_layer = sh.out * (F == kQ4A ? sh.in / 2 : sh.in), s_layer = sh.out * groups;
+  const auto* qp = reinterpret_cast<const uint8_t*>(q.typed_data()) + l * q_layer;
+  return Run(pool, F, x.typed_data(), qp, s.typed_data() + l * s_layer,
+             m == nullptr ? nullptr : m->typed_data() + l * s_layer, y->typed_data(), sh.rows, sh.in, sh.out, isa,
+             threads);
+}
+
 ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> s,
-                    int32_t isa, int32_t threads, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = Check(x, q, s, nullptr, y->dimensions(), 1); e.failure()) return e;
-  return Run(pool, kQ8, x.typed_data(), reinterpret_cast<const uint8_t*>(q.typed_data()), s.typed_data(), nullptr,
-             y->typed_data(), x.dimensions()[0], x.dimensions()[1], q.dimensions()[0], isa, threads);
+                    ffi::Buffer<ffi::S32> layer, int32_t isa, int32_t threads, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<kQ8>(pool, x, q, s, nullptr, layer, isa, threads, y);
 }
 
 ffi::Error Q8AffineMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                          ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, int32_t isa, int32_t threads,
-                          ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = Check(x, q, s, &m, y->dimensions(), 1); e.failure()) return e;
-  return Run(pool, kQ8A, x.typed_data(), reinterpret_cast<const uint8_t*>(q.typed_data()), s.typed_data(),
-             m.typed_data(), y->typed_data(), x.dimensions()[0], x.dimensions()[1], q.dimensions()[0], isa, threads);
+                          ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer, int32_t isa,
+                          int32_t threads, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<kQ8A>(pool, x, q, s, &m, layer, isa, threads, y);
 }
 
 ffi::Error Q4AffineMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                          ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, int32_t isa, int32_t threads,
-                          ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = Check(x, q, s, &m, y->dimensions(), 2); e.failure()) return e;
-  return Run(pool, kQ4A, x.typed_data(), q.typed_data(), s.typed_data(), m.typed_data(), y->typed_data(),
-             x.dimensions()[0], x.dimensions()[1], q.dimensions()[0], isa, threads);
+                          ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer, int32_t isa,
+                          int32_t threads, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<kQ4A>(pool, x, q, s, &m, layer, isa, threads, y);
 }
 
 }  // namespace
@@ -428,6 +452,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8MatmulF32, Q8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -439,6 +464,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8AffineMatmulF32, Q8AffineMatmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -450,6 +476,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Q4AffineMatmulF32, Q4AffineMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());

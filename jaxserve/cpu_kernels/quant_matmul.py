@@ -72,21 +72,27 @@ def format_of(q: jax.Array, offsets: jax.Array | None) -> str:
     raise ValueError(f"quantized weights are int8 or packed 4-bit uint8; got {q.dtype}")
 
 
-def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
-                     isa: str = "auto", threads: int | None = None) -> jax.Array:
+def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax.Array | None = None,
+                     layer: jax.Array | int | None = None, *, isa: str = "auto",
+                     threads: int | None = None) -> jax.Array:
     """x f32 [..., in] @ W.T -> f32 [..., out], W [out, in] given as q (int8 [out, in], or uint8
     [out, in/2] of packed 4-bit values), scales f32 [out, in/32] and optional offsets f32
-    [out, in/32]: w = q * scale (+ offset). isa: force a path (tests); threads: cap on the
-    threads used (0: XLA's intra-op pool; None: $JAXSERVE_QUANT_THREADS, else 0)."""
+    [out, in/32]: w = q * scale (+ offset). Stacked weights ([layers, out, ...] for all three)
+    with `layer` (an int32 scalar, traced in the model's layer scan) use that layer's, read in
+    place. isa: force a path (tests); threads: cap on the threads used (0: XLA's intra-op pool;
+    None: $JAXSERVE_QUANT_THREADS, else 0)."""
     if threads is None:
         threads = int(os.environ.get("JAXSERVE_QUANT_THREADS", "0"))
     fmt = format_of(q, offsets)
     if x.dtype != jnp.float32 or scales.dtype != jnp.float32 or (offsets is not None and offsets.dtype != jnp.float32):
         raise ValueError(f"the CPU quantized kernel takes f32 x, scales and offsets; got {x.dtype}, {scales.dtype}, "
                          f"{None if offsets is None else offsets.dtype}")
-    out, n_in = q.shape[0], q.shape[1] * (2 if fmt == "q4a" else 1)
-    if x.shape[-1] != n_in or n_in % GROUP or scales.shape != (out, n_in // GROUP) or (
-            offsets is not None and offsets.shape != scales.shape):
+    if (q.ndim == 3) != (layer is not None) or q.ndim not in (2, 3):
+        raise ValueError(f"quantized matmul: q {q.shape} takes a layer index exactly when it is stacked [layers, out, in]")
+    out, n_in = q.shape[-2], q.shape[-1] * (2 if fmt == "q4a" else 1)
+    groups = (*q.shape[:-1], n_in // GROUP)
+    if x.shape[-1] != n_in or n_in % GROUP or scales.shape != groups or (
+            offsets is not None and offsets.shape != groups):
         raise ValueError(f"quantized matmul: x {x.shape}, q {q.shape}, scales {scales.shape}"
                          f"{'' if offsets is None else f', offsets {offsets.shape}'} do not fit "
                          f"(in must be a multiple of {GROUP})")
@@ -97,6 +103,7 @@ def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in)
     call = jax.ffi.ffi_call(_TARGETS[fmt][0], jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32))
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     args = (x2, q, scales) if offsets is None else (x2, q, scales, offsets)
-    y = call(*args, isa=np.int32(ISAS[isa]), threads=np.int32(threads))
+    y = call(*args, index, isa=np.int32(ISAS[isa]), threads=np.int32(threads))
     return y.reshape(*lead, out)

@@ -292,15 +292,15 @@ class LlamaForCausalLM(nnx.Module):
     def param_arrays(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in self._param_names()}
 
-    def _linear(self, x: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
+    def _linear(self, x: jax.Array, p: dict[str, jax.Array], name: str, layer: jax.Array | None = None) -> jax.Array:
         """x @ p[name]: a float weight [in, out], or quantized q [out, in(/2)] with p[name + "_scale"]
-        (and p[name + "_offset"])."""
+        (and p[name + "_offset"]); with `layer`, p holds them stacked over layers."""
         scale = p.get(name + "_scale")
         if scale is None:
             return x @ p[name]
         from jaxserve.quantization import linear
 
-        return linear(x, p[name], scale, p.get(name + "_offset"), self.quant_impl)
+        return linear(x, p[name], scale, p.get(name + "_offset"), self.quant_impl, layer=layer)
 
     def __call__(
         self,
@@ -332,6 +332,14 @@ class LlamaForCausalLM(nnx.Module):
 
         stacked = ({n: layer_params.pop(n) for n in DENSE_WEIGHTS if n in layer_params}
                    if self.dense_impl == "cpu_kernel" and T <= MAX_ROWS else {})
+        # Quantized weights on the CPU kernel likewise, at every row count: the kernel takes the
+        # whole stack and the layer index (a scan input's slice costs a copy of the layer's bytes).
+        quant_stacked: dict[str, jax.Array] = {}
+        if self.quant_impl == "kernel":
+            for n in LAYER_PARAMS:
+                if n + "_scale" in layer_params:
+                    quant_stacked.update({k: layer_params.pop(k) for k in (n, n + "_scale", n + "_offset")
+                                          if k in layer_params})
         # The pool is viewed flat over layers: layer l's pages are l*num_pages + page. Gathers and
         # scatters then index one array, which XLA updates in place inside the scan carry.
         pool = kv_cache.reshape(L * num_pages, *kv_cache.shape[2:])
@@ -358,7 +366,11 @@ class LlamaForCausalLM(nnx.Module):
             p, l = xs
 
             def mm(h: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
-                return stacked_matmul_cpu(h, stacked[name], l) if name in stacked else self._linear(h, p, name)
+                if name in stacked:
+                    return stacked_matmul_cpu(h, stacked[name], l)
+                if name in quant_stacked:
+                    return self._linear(h, quant_stacked, name, layer=l)
+                return self._linear(h, p, name)
 
             h = rms_norm(x, p["attn_norm"], eps, offset)
             q, k, v = mm(h, p, "wq"), mm(h, p, "wk"), mm(h, p, "wv")
