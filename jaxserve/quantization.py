@@ -20,9 +20,11 @@ Layout: a model weight ``[..., in, out]`` is stored transposed, ``q [..., out, i
 LM head: one quantized array serves the head (a linear) and the embedding (gather + dequantize rows).
 
 ``linear(x, q, s, m)`` is what the model calls: on one CPU device the ``jax.ffi`` kernel
-(``cpu_kernels/quant_matmul.cc``); elsewhere (TPU, GPU, meshes) XLA with the weights quantized in
-memory and the dequantization (convert * scale + offset) in the jitted step. XLA does not fuse the
-group scale into the dot there: it writes a float copy of W per call (tests/test_quant_compile.py).
+(``cpu_kernels/quant_matmul.cc``); on one TPU device the Pallas kernel
+(``pallas_kernels/quant_matmul_tpu.py``, weight tiles dequantized in VMEM); elsewhere (GPU, meshes)
+XLA with the weights quantized in memory and the dequantization (convert * scale + offset) in the
+jitted step. XLA does not fuse the group scale into the dot there: it writes a float copy of W per
+call (tests/test_quant_compile.py).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ METHODS = ("none", "int8", "gguf")
 LINEAR_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
 SCALE_SUFFIX = "_scale"
 OFFSET_SUFFIX = "_offset"
-IMPLS = ("auto", "kernel", "xla")
+IMPLS = ("auto", "kernel", "pallas_tpu", "xla")
+STACKED_IMPLS = ("kernel", "pallas_tpu")  # read one layer of the stacked weights in place
 QUANT_CACHE_TAG = "int8-g32-affine-v2"  # in the converted-weights cache key: bump when the scheme changes
 
 
@@ -99,9 +102,17 @@ def linear_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray, m: np.ndarray 
     return (np.asarray(x, np.float64) @ dequantize(q, s, m).astype(np.float64)).astype(np.float32)
 
 
+def on_one_tpu(q: Any) -> bool:
+    """Whether array q lives on a single TPU device (not a mesh)."""
+    sharding = getattr(q, "sharding", None)
+    devices = sharding.device_set if sharding is not None else set(jax.devices()[:1])
+    return len(devices) == 1 and next(iter(devices)).platform == "tpu"
+
+
 def resolve_impl(impl: str, q: jax.Array) -> str:
-    """"auto": the CPU kernel when the weights live on one CPU device and the kernel builds,
-    else XLA. Decided once when the model is built (it is static in the compiled step)."""
+    """"auto": the CPU kernel when the weights live on one CPU device and the kernel builds; the
+    Pallas TPU kernel when they live on one TPU device; else XLA (GPU, and meshes: the TPU kernel
+    is not wrapped in shard_map yet). Decided once when the model is built (static in the step)."""
     if impl not in IMPLS:
         raise ValueError(f"quantized linear impl must be one of {IMPLS}; got {impl!r}")
     if impl != "auto":
@@ -113,6 +124,8 @@ def resolve_impl(impl: str, q: jax.Array) -> str:
 
         if available():
             return "kernel"
+    if on_one_tpu(q):
+        return "pallas_tpu"
     return "xla"
 
 
@@ -134,12 +147,18 @@ def linear(x: jax.Array, q: jax.Array, s: jax.Array, m: jax.Array | None = None,
            layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ W with W given as q [out, in] int8 (or [out, in/2] packed 4-bit), scales
     s [out, in/32] and optional offsets m -> [..., out] in x's dtype. impl: "kernel" (the CPU
-    jax.ffi kernel, float32 math) or "xla". layer: q, s, m are stacked over layers and this
-    (traced) index picks one; the kernel reads it in place."""
+    jax.ffi kernel, float32 math), "pallas_tpu" (tiles dequantized in VMEM, float32 accumulation)
+    or "xla". layer: q, s, m are stacked over layers and this (traced) index picks one; the
+    kernels read it in place."""
     if impl == "kernel":
         from jaxserve.cpu_kernels.quant_matmul import quant_matmul_cpu
 
         return quant_matmul_cpu(x.astype(jnp.float32), q, s, m, layer).astype(x.dtype)
+    if impl == "pallas_tpu":
+        from jaxserve.pallas_kernels.quant_matmul_tpu import quant_matmul_tpu
+
+        y = quant_matmul_tpu(x.reshape(-1, x.shape[-1]), q, s, m, layer)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if layer is not None:
         q, s, m = q[layer], s[layer], None if m is None else m[layer]
     # Weights stay quantized in memory; convert * scale (+ offset) feeds the dot (contracting both

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import quantization as quant
 from jaxserve.attention import AttentionMetadata, write_kv
 from jaxserve.models.moe import MOE_LAYER_PARAMS, moe_mlp
 
@@ -250,7 +251,6 @@ class LlamaForCausalLM(nnx.Module):
         abstractly first, so no device ever holds randomly initialised or full-size copies.
         quantization "int8" or "gguf": `params` with quantized weights laid out as in
         jaxserve/quantization.py."""
-        from jaxserve import quantization as quant
 
         model = nnx.eval_shape(lambda: cls(cfg, dtype))
         quant.check_method(quantization)
@@ -332,10 +332,10 @@ class LlamaForCausalLM(nnx.Module):
 
         stacked = ({n: layer_params.pop(n) for n in DENSE_WEIGHTS if n in layer_params}
                    if self.dense_impl == "cpu_kernel" and T <= MAX_ROWS else {})
-        # Quantized weights on the CPU kernel likewise, at every row count: the kernel takes the
+        # Quantized weights on the CPU and TPU kernels likewise, at every row count: they take the
         # whole stack and the layer index (a scan input's slice costs a copy of the layer's bytes).
         quant_stacked: dict[str, jax.Array] = {}
-        if self.quant_impl == "kernel":
+        if self.quant_impl in quant.STACKED_IMPLS:
             for n in LAYER_PARAMS:
                 if n + "_scale" in layer_params:
                     quant_stacked.update({k: layer_params.pop(k) for k in (n, n + "_scale", n + "_offset")
