@@ -45,6 +45,10 @@ constexpr int64_t kOutChunk = 64;  // outputs per work item
 constexpr int kOut = 4;            // outputs per micro-kernel
 // From this many rows in a work item on, its weights are converted to a float32 panel first.
 constexpr int64_t kPanelRows = 16;
+// Weights come from DRAM once per call (a decode step streams the whole model, more than the
+// caches hold): each output quad asks for the bytes of the quad this many ahead (software
+// prefetch; the hardware streamers alone left a 1-row call at ~6 GB/s a core here).
+constexpr int64_t kPrefetchQuads = 4;
 // Below this many multiply-adds a call runs on the calling thread alone: waking a helper costs
 // more than it saves on the small projections of a decode step.
 constexpr int64_t kParallelWork = 1 << 18;
@@ -263,6 +267,18 @@ JX_INLINE void MicroPanel(const Problem& p, const float* x, const float* panel, 
     for (int j = 0; j < O; ++j) y[i * p.out + j] = Ops::HSum(acc[i][j]);
 }
 
+// Ask for the weight, scale and offset bytes of outputs [o, o + n) (beyond the matrix: ignored,
+// a prefetch never faults).
+JX_INLINE void PrefetchOutputs(const Problem& p, int64_t o, int64_t n) {
+  const auto lines = [](const void* start, int64_t bytes) {
+    const char* c = static_cast<const char*>(start);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  };
+  lines(p.q + o * p.row_bytes, n * p.row_bytes);
+  lines(p.s + o * p.groups, n * p.groups * 4);
+  if (p.m != nullptr) lines(p.m + o * p.groups, n * p.groups * 4);
+}
+
 // Rows [r0, r1) x outputs [o0, o1): output quads outer (their weights stay in L1 across the
 // rows), row blocks of kRows inner.
 template <int32_t F>
@@ -275,6 +291,7 @@ void Tile(const Problem& p, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
     const uint8_t* q = p.q + o * p.row_bytes;
     const float* s = p.s + o * p.groups;
     const float* m = p.m == nullptr ? nullptr : p.m + o * p.groups;
+    if (o + kPrefetchQuads * kOut < p.out) PrefetchOutputs(p, o + kPrefetchQuads * kOut, kOut);
     if (use_panel && no == kOut) ToPanel<F, kOut>(p, q, s, m, panel.data());
     for (int64_t r = r0; r < r1; r += RMAX) {
       const int64_t nr = std::min<int64_t>(RMAX, r1 - r);
