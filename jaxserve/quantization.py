@@ -230,7 +230,10 @@ def expected_params(cfg: Any, float_dtype: Any, params: dict[str, Any]) -> dict[
         packed = name in params and params[name].dtype == jnp.uint8
         out[name] = ((*qshape[:-1], qshape[-1] // 2) if packed else qshape,
                      jnp.dtype(jnp.uint8 if packed else jnp.int8))
-        groups = ((*qshape[:-1], qshape[-1] // GROUP), jnp.dtype(jnp.float32))
+        # Scales and offsets: float32, or float16 as GGUF's Q8_0 / Q4_0 / Q4_1 store them.
+        scale_dtype = params[name + SCALE_SUFFIX].dtype
+        groups = ((*qshape[:-1], qshape[-1] // GROUP),
+                  jnp.dtype(jnp.float16 if scale_dtype == jnp.float16 else jnp.float32))
         out[name + SCALE_SUFFIX] = groups
         if packed or name + OFFSET_SUFFIX in params:
             out[name + OFFSET_SUFFIX] = groups

@@ -75,6 +75,32 @@ def test_kernel_matches_reference(rows, n_in, out, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_kernel_float16_scales_are_their_float32_values(fmt, rows):
+    """Scales and offsets stored as float16 (GGUF's own) give, bit for bit, what the same values
+    as float32 give, on every instruction set (F16C's conversion and the portable one), the
+    subnormal and zero halves included; and in a stacked call."""
+    if not kernel.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(rows)
+    q, s, m = random_quantized(rng, 70, 96, fmt)
+    s16 = s.astype(np.float16)
+    s16.flat[:3] = np.array([0.0, 6e-8, 3e-5], np.float16)  # zero, the smallest subnormal, a subnormal
+    m16 = None if m is None else m.astype(np.float16)
+    x = jnp.asarray(rng.standard_normal((rows, 96), dtype=np.float32))
+    for isa in isas():
+        half = kernel.quant_matmul_cpu(x, *as_jnp(q, s16, m16), isa=isa)
+        full = kernel.quant_matmul_cpu(x, *as_jnp(q, s16.astype(np.float32), None if m16 is None else m16.astype(np.float32)),
+                                       isa=isa)
+        assert np.array_equal(np.asarray(half), np.asarray(full)), isa
+    stacked = tuple(None if a is None else jnp.asarray(np.stack([a, a])) for a in (q, s16, m16))
+    np.testing.assert_array_equal(np.asarray(kernel.quant_matmul_cpu(x, *stacked, layer=1)), np.asarray(half))
+    if m is not None:
+        with pytest.raises(ValueError, match="offsets of the scales' dtype"):
+            kernel.quant_matmul_cpu(x, *as_jnp(q, s16, m))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_rows_are_independent_of_the_batch(fmt):
     """A row's result must not depend on which other rows share the call (continuous batching):
     rows below the panel threshold and above it must give the same bits."""
@@ -232,6 +258,7 @@ def test_default_model_gguf_is_the_float_model(impl):
     _, native = load_weights(None, quantization="gguf")
     assert native["wq"].dtype == np.uint8 and native["wq"].shape == (30, 576, 288) and "wq_offset" in native
     assert native["embed"].dtype == np.int8 and "embed_offset" not in native  # Q8_0: scales only
+    assert native["wq_scale"].dtype == native["wq_offset"].dtype == native["embed_scale"].dtype == np.float16
     m = compare(cfg, params, prompts, impl=impl, quantized=native, method="gguf")
     print(m)
     assert m["impl"] == impl and m["agree"] == 1.0 and m["dlogp_max"] <= 1e-3, m

@@ -1,8 +1,10 @@
 // x @ W for group-quantized weights on CPUs, called from XLA through jax's FFI.
 //
 // Contract (jaxserve.quantization.linear_reference is the oracle): x f32 [rows, in]; the weights
-// in groups of 32 consecutive inputs of an output, each group with a float32 scale s [out, in/32]
-// and, in the affine formats, a float32 offset m [out, in/32]; y f32 [rows, out] with
+// in groups of 32 consecutive inputs of an output, each group with a scale s [out, in/32] and, in
+// the affine formats, an offset m [out, in/32], both float32 or both float16 (GGUF stores Q8_0's,
+// Q4_0's and Q4_1's as float16: kept so, a quarter of the bytes a 4-bit decode step reads);
+// y f32 [rows, out] with
 // y[r, o] = sum_k x[r, k] * w[o, k], where per format
 //   q8   (GGUF Q8_0's blocks)  q int8 [out, in]         w = q * s
 //   q8a  (affine int8)         q int8 [out, in]         w = q * s + m
@@ -27,10 +29,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -60,11 +64,30 @@ enum Format : int32_t { kQ8 = 0, kQ8A = 1, kQ4A = 2 };
 struct Problem {
   const float* x;
   const uint8_t* q;
-  const float* s;
-  const float* m;  // null for q8
+  const void* s;  // float or float16 (uint16_t) scales, as the handler was bound
+  const void* m;  // offsets of the same type; null for q8
   float* y;
   int64_t rows, in, out, groups, row_bytes;  // row_bytes: one output's quantized weights
+  int64_t scale_bytes;                       // 4 or 2
 };
+
+// float16 bits -> float, portably (the x86 targets use F16C's instruction instead).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = std::ldexp(float(man), -24);
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
@@ -92,6 +115,9 @@ struct Ops {
   static JX_INLINE V Mul(V a, V b) { for (int i = 0; i < 4; ++i) a.v[i] *= b.v[i]; return a; }
   static JX_INLINE V Fma(V a, V b, V c) { for (int i = 0; i < 4; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
   static JX_INLINE float HSum(V a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+  static JX_INLINE void Halfs(const uint16_t* h, float* f, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) f[i] = HalfToFloat(h[i]);
+  }
 };
 }  // namespace portable
 #define JX_NS portable
@@ -102,7 +128,7 @@ struct Ops {
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 struct Ops {  // 16 ymm registers: 8 accumulators (2 rows x 4 outputs) + 4 weights + x
   using V = __m256;
@@ -126,6 +152,11 @@ struct Ops {  // 16 ymm registers: 8 accumulators (2 rows x 4 outputs) + 4 weigh
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
+  static JX_INLINE void Halfs(const uint16_t* h, float* f, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
+  }
 };
 }  // namespace avx2
 #define JX_NS avx2
@@ -134,7 +165,7 @@ struct Ops {  // 16 ymm registers: 8 accumulators (2 rows x 4 outputs) + 4 weigh
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace avx512 {
 struct Ops {  // 32 zmm registers: 16 accumulators (4 rows x 4 outputs) + 4 weights + x (+ scales)
   using V = __m512;
@@ -154,6 +185,12 @@ struct Ops {  // 32 zmm registers: 16 accumulators (4 rows x 4 outputs) + 4 weig
   static JX_INLINE V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static JX_INLINE V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static JX_INLINE float HSum(V a) { return _mm512_reduce_add_ps(a); }
+  static JX_INLINE void Halfs(const uint16_t* h, float* f, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+    for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
+  }
 };
 }  // namespace avx512
 #define JX_NS avx512
@@ -275,22 +312,34 @@ JX_INLINE void PrefetchOutputs(const Problem& p, int64_t o, int64_t n) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
   };
   lines(p.q + o * p.row_bytes, n * p.row_bytes);
-  lines(p.s + o * p.groups, n * p.groups * 4);
-  if (p.m != nullptr) lines(p.m + o * p.groups, n * p.groups * 4);
+  lines(static_cast<const char*>(p.s) + o * p.groups * p.scale_bytes, n * p.groups * p.scale_bytes);
+  if (p.m != nullptr) lines(static_cast<const char*>(p.m) + o * p.groups * p.scale_bytes, n * p.groups * p.scale_bytes);
 }
 
 // Rows [r0, r1) x outputs [o0, o1): output quads outer (their weights stay in L1 across the
 // rows), row blocks of kRows inner.
-template <int32_t F>
+template <int32_t F, typename S>
 void Tile(const Problem& p, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
   constexpr int RMAX = Ops::kRows;
   const bool use_panel = r1 - r0 >= kPanelRows;
   std::vector<float> panel(use_panel ? kOut * p.in : 0);
+  std::vector<float> wide(std::is_same_v<S, float> ? 0 : 2 * kOut * p.groups);  // float16 scales, widened
   for (int64_t o = o0; o < o1; o += kOut) {
     const int64_t no = std::min<int64_t>(kOut, o1 - o);
     const uint8_t* q = p.q + o * p.row_bytes;
-    const float* s = p.s + o * p.groups;
-    const float* m = p.m == nullptr ? nullptr : p.m + o * p.groups;
+    const float* s;
+    const float* m = nullptr;
+    if constexpr (std::is_same_v<S, float>) {
+      s = static_cast<const float*>(p.s) + o * p.groups;
+      if (p.m != nullptr) m = static_cast<const float*>(p.m) + o * p.groups;
+    } else {  // float16: the quad's scales and offsets widened once, vectorised (per group they would cost more than the bytes saved)
+      Ops::Halfs(static_cast<const uint16_t*>(p.s) + o * p.groups, wide.data(), no * p.groups);
+      s = wide.data();
+      if (p.m != nullptr) {
+        Ops::Halfs(static_cast<const uint16_t*>(p.m) + o * p.groups, wide.data() + kOut * p.groups, no * p.groups);
+        m = wide.data() + kOut * p.groups;
+      }
+    }
     if (o + kPrefetchQuads * kOut < p.out) PrefetchOutputs(p, o + kPrefetchQuads * kOut, kOut);
     if (use_panel && no == kOut) ToPanel<F, kOut>(p, q, s, m, panel.data());
     for (int64_t r = r0; r < r1; r += RMAX) {
@@ -317,11 +366,12 @@ void Tile(const Problem& p, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
   }
 }
 
+template <typename S>
 TileFn TileFor(int32_t format) {
   switch (format) {
-    case kQ8: return Tile<kQ8>;
-    case kQ8A: return Tile<kQ8A>;
-    case kQ4A: return Tile<kQ4A>;
+    case kQ8: return Tile<kQ8, S>;
+    case kQ8A: return Tile<kQ8A, S>;
+    case kQ4A: return Tile<kQ4A, S>;
   }
   return nullptr;
 }
@@ -336,6 +386,7 @@ enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
 int32_t BestIsa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
+  if (!__builtin_cpu_supports("f16c")) return kPortable;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl"))
     return kAvx512;
@@ -344,15 +395,16 @@ int32_t BestIsa() {
   return kPortable;
 }
 
+template <typename S>
 TileFn PickTile(int32_t isa, int32_t format) {
   const int32_t best = BestIsa();
   if (isa == kAuto) isa = best;
   if (isa > best) return nullptr;
 #if defined(__x86_64__)
-  if (isa == kAvx512) return avx512::TileFor(format);
-  if (isa == kAvx2) return avx2::TileFor(format);
+  if (isa == kAvx512) return avx512::TileFor<S>(format);
+  if (isa == kAvx2) return avx2::TileFor<S>(format);
 #endif
-  return isa == kPortable ? portable::TileFor(format) : nullptr;
+  return isa == kPortable ? portable::TileFor<S>(format) : nullptr;
 }
 
 struct Job {
@@ -374,15 +426,16 @@ struct Job {
   }
 };
 
-ffi::Error Run(ffi::ThreadPool& pool, int32_t format, const float* x, const uint8_t* q, const float* s,
-               const float* m, float* y, int64_t rows, int64_t in, int64_t out, int32_t isa, int32_t threads) {
-  TileFn tile = PickTile(isa, format);
+template <typename S>
+ffi::Error Run(ffi::ThreadPool& pool, int32_t format, const float* x, const uint8_t* q, const S* s, const S* m,
+               float* y, int64_t rows, int64_t in, int64_t out, int32_t isa, int32_t threads) {
+  TileFn tile = PickTile<S>(isa, format);
   if (tile == nullptr) return ffi::Error::InvalidArgument("quantized matmul: this CPU lacks the instruction set asked for");
   if (rows == 0 || out == 0) return ffi::Error::Success();
   auto job = std::make_shared<Job>();
   const int64_t groups = in / kGroup;
   const int64_t row_bytes = format == kQ4A ? in / 2 : in;
-  job->p = Problem{x, q, s, m, y, rows, in, out, groups, row_bytes};
+  job->p = Problem{x, q, s, m, y, rows, in, out, groups, row_bytes, int64_t(sizeof(S))};
   job->tile = tile;
   job->row_chunks = (rows + kRowChunk - 1) / kRowChunk;
   job->out_chunks = (out + kOutChunk - 1) / kOutChunk;
@@ -404,9 +457,9 @@ struct Shapes {
   int64_t rows, in, out, layers;
 };
 
-template <typename QBuf>
-ffi::Error Check(const ffi::Buffer<ffi::F32>& x, const QBuf& q, const ffi::Buffer<ffi::F32>& s,
-                 const ffi::Buffer<ffi::F32>* m, const ffi::Buffer<ffi::S32>& layer, ffi::Span<const int64_t> yd,
+template <typename QBuf, typename SBuf>
+ffi::Error Check(const ffi::Buffer<ffi::F32>& x, const QBuf& q, const SBuf& s, const SBuf* m,
+                 const ffi::Buffer<ffi::S32>& layer, ffi::Span<const int64_t> yd,
                  int64_t in_per_byte, Shapes& shapes) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || (qd.size() != 2 && qd.size() != 3) || sd.size() != qd.size() || yd.size() != 2)
@@ -428,10 +481,9 @@ ffi::Error Check(const ffi::Buffer<ffi::F32>& x, const QBuf& q, const ffi::Buffe
   return ffi::Error::Success();
 }
 
-template <int32_t F, typename QBuf>
-ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, QBuf& q, ffi::Buffer<ffi::F32>& s,
-                  ffi::Buffer<ffi::F32>* m, ffi::Buffer<ffi::S32>& layer, int32_t isa, int32_t threads,
-                  ffi::ResultBuffer<ffi::F32>& y) {
+template <int32_t F, typename QBuf, typename SBuf>
+ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, QBuf& q, SBuf& s, SBuf* m,
+                  ffi::Buffer<ffi::S32>& layer, int32_t isa, int32_t threads, ffi::ResultBuffer<ffi::F32>& y) {
   Shapes sh;
   if (auto e = Check(x, q, s, m, layer, y->dimensions(), F == kQ4A ? 2 : 1, sh); e.failure()) return e;
   const int64_t l = layer.typed_data()[0], groups = sh.in / kGroup;
@@ -442,20 +494,23 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, QBuf& q, ffi:
              threads);
 }
 
-ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> s,
+template <ffi::DataType SD>
+ffi::Error Q8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<SD> s,
                     ffi::Buffer<ffi::S32> layer, int32_t isa, int32_t threads, ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul<kQ8>(pool, x, q, s, nullptr, layer, isa, threads, y);
+  return Matmul<kQ8>(pool, x, q, s, static_cast<ffi::Buffer<SD>*>(nullptr), layer, isa, threads, y);
 }
 
-ffi::Error Q8AffineMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                          ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer, int32_t isa,
-                          int32_t threads, ffi::ResultBuffer<ffi::F32> y) {
+template <ffi::DataType SD>
+ffi::Error Q8AffineMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<SD> s,
+                          ffi::Buffer<SD> m, ffi::Buffer<ffi::S32> layer, int32_t isa, int32_t threads,
+                          ffi::ResultBuffer<ffi::F32> y) {
   return Matmul<kQ8A>(pool, x, q, s, &m, layer, isa, threads, y);
 }
 
-ffi::Error Q4AffineMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                          ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer, int32_t isa,
-                          int32_t threads, ffi::ResultBuffer<ffi::F32> y) {
+template <ffi::DataType SD>
+ffi::Error Q4AffineMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<SD> s,
+                          ffi::Buffer<SD> m, ffi::Buffer<ffi::S32> layer, int32_t isa, int32_t threads,
+                          ffi::ResultBuffer<ffi::F32> y) {
   return Matmul<kQ4A>(pool, x, q, s, &m, layer, isa, threads, y);
 }
 
@@ -463,39 +518,34 @@ ffi::Error Q4AffineMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 
 extern "C" int32_t JaxserveQuantBestIsa() { return BestIsa(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8MatmulF32, Q8Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("isa")
-                                  .Attr<int32_t>("threads")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One handler per format and scale type (F32: float32 scales; F16: float16 ones).
+#define JX_BIND_NO_OFFSETS(SD)                                                                       \
+  ffi::Ffi::Bind()                                                                                   \
+      .Ctx<ffi::ThreadPool>()                                                                        \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                                  \
+      .Arg<ffi::Buffer<ffi::S8>>()                                                                   \
+      .Arg<ffi::Buffer<SD>>()                                                                        \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                  \
+      .Attr<int32_t>("isa")                                                                          \
+      .Attr<int32_t>("threads")                                                                      \
+      .Ret<ffi::Buffer<ffi::F32>>()
+#define JX_BIND_OFFSETS(QD, SD)                                                                      \
+  ffi::Ffi::Bind()                                                                                   \
+      .Ctx<ffi::ThreadPool>()                                                                        \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                                  \
+      .Arg<ffi::Buffer<QD>>()                                                                        \
+      .Arg<ffi::Buffer<SD>>()                                                                        \
+      .Arg<ffi::Buffer<SD>>()                                                                        \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                  \
+      .Attr<int32_t>("isa")                                                                          \
+      .Attr<int32_t>("threads")                                                                      \
+      .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8AffineMatmulF32, Q8AffineMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("isa")
-                                  .Attr<int32_t>("threads")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Q4AffineMatmulF32, Q4AffineMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("isa")
-                                  .Attr<int32_t>("threads")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8MatmulF32, Q8Matmul<ffi::F32>, JX_BIND_NO_OFFSETS(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8MatmulF16, Q8Matmul<ffi::F16>, JX_BIND_NO_OFFSETS(ffi::F16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8AffineMatmulF32, Q8AffineMatmul<ffi::F32>, JX_BIND_OFFSETS(ffi::S8, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q8AffineMatmulF16, Q8AffineMatmul<ffi::F16>, JX_BIND_OFFSETS(ffi::S8, ffi::F16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q4AffineMatmulF32, Q4AffineMatmul<ffi::F32>, JX_BIND_OFFSETS(ffi::U8, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q4AffineMatmulF16, Q4AffineMatmul<ffi::F16>, JX_BIND_OFFSETS(ffi::U8, ffi::F16));
 
 #endif  // !JX_KERNEL_BODY

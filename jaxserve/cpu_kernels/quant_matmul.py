@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("quant_matmul.cc")
 # -ffp-contract=fast: a*b + c in the vector code becomes one FMA on the targets that have it.
 _FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC"]
-_TARGETS = {"q8": ("jaxserve_q8_matmul_f32", "Q8MatmulF32"),
-            "q8a": ("jaxserve_q8a_matmul_f32", "Q8AffineMatmulF32"),
-            "q4a": ("jaxserve_q4a_matmul_f32", "Q4AffineMatmulF32")}
+# (format, scale dtype) -> (FFI target, symbol)
+_TARGETS = {(fmt, sd): (f"jaxserve_{fmt}_matmul_{sd}", f"{symbol}{sd.upper()}")
+            for fmt, symbol in (("q8", "Q8Matmul"), ("q8a", "Q8AffineMatmul"), ("q4a", "Q4AffineMatmul"))
+            for sd in ("f32", "f16")}
+_SCALE_DTYPES = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float16): "f16"}
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 GROUP = 32
 
@@ -76,17 +78,18 @@ def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax
                      layer: jax.Array | int | None = None, *, isa: str = "auto",
                      threads: int | None = None) -> jax.Array:
     """x f32 [..., in] @ W.T -> f32 [..., out], W [out, in] given as q (int8 [out, in], or uint8
-    [out, in/2] of packed 4-bit values), scales f32 [out, in/32] and optional offsets f32
-    [out, in/32]: w = q * scale (+ offset). Stacked weights ([layers, out, ...] for all three)
+    [out, in/2] of packed 4-bit values), scales [out, in/32] and optional offsets [out, in/32],
+    both float32 or both float16: w = q * scale (+ offset). Stacked weights ([layers, out, ...] for all three)
     with `layer` (an int32 scalar, traced in the model's layer scan) use that layer's, read in
     place. isa: force a path (tests); threads: cap on the threads used (0: XLA's intra-op pool;
     None: $JAXSERVE_QUANT_THREADS, else 0)."""
     if threads is None:
         threads = int(os.environ.get("JAXSERVE_QUANT_THREADS", "0"))
     fmt = format_of(q, offsets)
-    if x.dtype != jnp.float32 or scales.dtype != jnp.float32 or (offsets is not None and offsets.dtype != jnp.float32):
-        raise ValueError(f"the CPU quantized kernel takes f32 x, scales and offsets; got {x.dtype}, {scales.dtype}, "
-                         f"{None if offsets is None else offsets.dtype}")
+    if x.dtype != jnp.float32 or scales.dtype not in _SCALE_DTYPES or (
+            offsets is not None and offsets.dtype != scales.dtype):
+        raise ValueError(f"the CPU quantized kernel takes f32 x and float32 or float16 scales (offsets of the "
+                         f"scales' dtype); got {x.dtype}, {scales.dtype}, {None if offsets is None else offsets.dtype}")
     if (q.ndim == 3) != (layer is not None) or q.ndim not in (2, 3):
         raise ValueError(f"quantized matmul: q {q.shape} takes a layer index exactly when it is stacked [layers, out, in]")
     out, n_in = q.shape[-2], q.shape[-1] * (2 if fmt == "q4a" else 1)
@@ -102,7 +105,8 @@ def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax
         raise RuntimeError("the CPU quantized matmul kernel could not be built; see the log")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in)
-    call = jax.ffi.ffi_call(_TARGETS[fmt][0], jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32))
+    call = jax.ffi.ffi_call(_TARGETS[fmt, _SCALE_DTYPES[scales.dtype]][0],
+                            jax.ShapeDtypeStruct((x2.shape[0], out), jnp.float32))
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     args = (x2, q, scales) if offsets is None else (x2, q, scales, offsets)
     y = call(*args, index, isa=np.int32(ISAS[isa]), threads=np.int32(threads))

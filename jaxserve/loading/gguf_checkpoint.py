@@ -189,18 +189,20 @@ def _dense_mlp_layers(reader: GGUFReader) -> list[int]:
 
 def native_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A Q8_0 / Q4_0 / Q4_1 / Q4_K tensor [out, in] as (q, scales, offsets) in jaxserve/quantization.py's
-    layout: the file's bytes regrouped, the f16 scales widened (exact); no weight is dequantized."""
+    layout: the file's bytes regrouped; no weight is dequantized. Q8_0's, Q4_0's and Q4_1's scales
+    and offsets stay float16, as the file stores them (a decode step reads them with the weights);
+    Q4_K's are products of a float16 and a 6-bit integer, float32 to stay exact."""
     from jaxserve.quantization import GROUP
 
     out, n_in = _dims(t)
     blocks = np.asarray(t.data, np.uint8).reshape(out, n_in // GROUP, -1)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if t.tensor_type == GGMLQuantizationType.Q8_0:
         return blocks[..., 2:].copy().view(np.int8).reshape(out, n_in), d, None
-    if t.tensor_type == GGMLQuantizationType.Q4_0:
-        return blocks[..., 2:].reshape(out, n_in // 2).copy(), d, np.float32(-8.0) * d
+    if t.tensor_type == GGMLQuantizationType.Q4_0:  # values 0..15 with offset -8 d (exact in float16)
+        return blocks[..., 2:].reshape(out, n_in // 2).copy(), d, (np.float32(-8.0) * d).astype(np.float16)
     if t.tensor_type == GGMLQuantizationType.Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         return blocks[..., 4:].reshape(out, n_in // 2).copy(), d, m
     if t.tensor_type == GGMLQuantizationType.Q4_K:
         return _q4_k_groups(np.asarray(t.data, np.uint8).reshape(out, n_in // 256, 144), out, n_in)

@@ -254,6 +254,10 @@ class LlamaForCausalLM(nnx.Module):
 
         model = nnx.eval_shape(lambda: cls(cfg, dtype))
         quant.check_method(quantization)
+        impl = quant.resolve_impl(quant_impl, params["wq"]) if quantization != "none" else None
+        if impl == "pallas_tpu":  # the TPU kernel reads float32 scales (GGUF's float16 ones widened, exact)
+            params = {k: v.astype(jnp.float32) if k.endswith(("_scale", "_offset")) and v.dtype == jnp.float16
+                      else v for k, v in params.items()}
         if quantization != "none":
             expected = quant.expected_params(cfg, dtype, params)
         else:
@@ -270,7 +274,7 @@ class LlamaForCausalLM(nnx.Module):
         model.quantization = quantization
         model.param_names = tuple(expected)
         if quantization != "none":
-            model.quant_impl = quant.resolve_impl(quant_impl, params["wq"])
+            model.quant_impl = impl
         else:
             model.dense_impl = resolve_dense_impl(dense_impl, params["wq"])
         if cfg.is_moe:
