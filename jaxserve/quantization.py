@@ -1,7 +1,8 @@
 """Weight-only quantization: ``--quantization int8`` (any checkpoint) and ``gguf`` (a GGUF's own).
 
 Every quantized weight is stored in groups of 32 consecutive *input* elements of an output, with
-one float32 scale per group and, for the affine formats, one float32 offset:
+one scale per group and, for the affine formats, one offset (float32, or float16 as GGUF's Q8_0,
+Q4_0 and Q4_1 store them):
 ``w[k, o] ~ value(q)[o, k] * s[o, k // 32] (+ m[o, k // 32])``. Formats (the array dtypes say which):
 - int8 q [.., out, in], no offsets: GGUF Q8_0 served as it is.
 - int8 q with offsets: ``--quantization int8``. Each group's [min, max] maps onto -128..127

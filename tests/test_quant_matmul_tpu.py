@@ -133,9 +133,11 @@ def test_reads_a_layer_of_stacked_weights(fmt):
         np.testing.assert_allclose(np.asarray(ys[l]), _run(np.asarray(x), ql, sl, ml), rtol=1e-6, atol=1e-6)
 
 
-def test_model_on_the_kernel_matches_xla(tiny_checkpoints, monkeypatch):
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16"])
+def test_model_on_the_kernel_matches_xla(tiny_checkpoints, monkeypatch, scale_dtype):
     """A tiny int8 model through linear(impl="pallas_tpu") (interpret mode): the model hands the
-    kernel its stacked weights and the layer index; logits equal the XLA path's."""
+    kernel its stacked weights and the layer index; logits equal the XLA path's. float16 scales
+    (GGUF's) are widened for the kernel when the model is built."""
     import jaxserve.pallas_kernels.quant_matmul_tpu as mod
     from model_utils import prefill_logits
 
@@ -146,12 +148,14 @@ def test_model_on_the_kernel_matches_xla(tiny_checkpoints, monkeypatch):
     calls = []
 
     def interpreted(x, q, s, m, layer=None):
+        assert s.dtype == jnp.float32 and (m is None or m.dtype == jnp.float32)
         calls.append(q.ndim)
         return real(x, q, s, m, layer, interpret=True)
 
     monkeypatch.setattr(mod, "quant_matmul_tpu", interpreted)
     cfg, params = load_weights(tiny_checkpoints["llama3"], use_cache=False)
-    qp = {k: jnp.asarray(v) for k, v in quant.quantize_params(cfg, params).items()}
+    qp = {k: jnp.asarray(v.astype(scale_dtype) if k.endswith(("_scale", "_offset")) else v)
+          for k, v in quant.quantize_params(cfg, params).items()}
     prompts = [[5, 9, 200, 31, 7], list(range(3, 40))]
     logits = {impl: prefill_logits(LlamaForCausalLM.from_arrays(cfg, qp, quantization="int8", quant_impl=impl),
                                    prompts) for impl in ("pallas_tpu", "xla")}

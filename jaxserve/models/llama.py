@@ -251,7 +251,6 @@ class LlamaForCausalLM(nnx.Module):
         abstractly first, so no device ever holds randomly initialised or full-size copies.
         quantization "int8" or "gguf": `params` with quantized weights laid out as in
         jaxserve/quantization.py."""
-
         model = nnx.eval_shape(lambda: cls(cfg, dtype))
         quant.check_method(quantization)
         impl = quant.resolve_impl(quant_impl, params["wq"]) if quantization != "none" else None
@@ -302,9 +301,7 @@ class LlamaForCausalLM(nnx.Module):
         scale = p.get(name + "_scale")
         if scale is None:
             return x @ p[name]
-        from jaxserve.quantization import linear
-
-        return linear(x, p[name], scale, p.get(name + "_offset"), self.quant_impl, layer=layer)
+        return quant.linear(x, p[name], scale, p.get(name + "_offset"), self.quant_impl, layer=layer)
 
     def __call__(
         self,
