@@ -6,8 +6,10 @@ shows up as a temp buffer of W's size in the model dtype. Measured with jax 0.10
 (docs/quantization.md): through XLA a plain convert fuses into the dot (0 MiB temp), but the
 per-group scale does not: 112 MiB for a 14336 x 4096 bf16 projection on TPU v5e. The Pallas kernel
 (jaxserve/pallas_kernels/quant_matmul_tpu.py, what linear(impl="pallas_tpu") runs and what
-resolve_impl picks on one TPU device) dequantizes tiles in VMEM: it must compile, for v5e and
-v6e, decode (8 rows) and prefill (512 rows), with no such copy. XLA's figures are printed.
+resolve_impl picks on one TPU device) dequantizes tiles in VMEM: it must compile for v4, v5e,
+v5p and v6e, decode (8 rows) and prefill (512 rows), with no such copy and no relayout of the
+weights, given them stacked over layers with a traced layer index as the model does. XLA's
+path keeps its strict expected failure. The figures are printed (`pytest -s`).
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ def test_kernel_float16_scales_are_their_float32_values(fmt, rows):
     x = jnp.asarray(rng.standard_normal((rows, 96), dtype=np.float32))
     for isa in isas():
         half = kernel.quant_matmul_cpu(x, *as_jnp(q, s16, m16), isa=isa)
-        full = kernel.quant_matmul_cpu(x, *as_jnp(q, s16.astype(np.float32), None if m16 is None else m16.astype(np.float32)),
-                                       isa=isa)
+        widened = (q, s16.astype(np.float32), None if m16 is None else m16.astype(np.float32))
+        full = kernel.quant_matmul_cpu(x, *as_jnp(*widened), isa=isa)
         assert np.array_equal(np.asarray(half), np.asarray(full)), isa
     stacked = tuple(None if a is None else jnp.asarray(np.stack([a, a])) for a in (q, s16, m16))
     np.testing.assert_array_equal(np.asarray(kernel.quant_matmul_cpu(x, *stacked, layer=1)), np.asarray(half))

@@ -154,7 +154,8 @@ struct Ops {  // 16 ymm registers: 8 accumulators (2 rows x 4 outputs) + 4 weigh
   }
   static JX_INLINE void Halfs(const uint16_t* h, float* f, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
     for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
   }
 };
@@ -313,7 +314,8 @@ JX_INLINE void PrefetchOutputs(const Problem& p, int64_t o, int64_t n) {
   };
   lines(p.q + o * p.row_bytes, n * p.row_bytes);
   lines(static_cast<const char*>(p.s) + o * p.groups * p.scale_bytes, n * p.groups * p.scale_bytes);
-  if (p.m != nullptr) lines(static_cast<const char*>(p.m) + o * p.groups * p.scale_bytes, n * p.groups * p.scale_bytes);
+  if (p.m != nullptr)
+    lines(static_cast<const char*>(p.m) + o * p.groups * p.scale_bytes, n * p.groups * p.scale_bytes);
 }
 
 // Rows [r0, r1) x outputs [o0, o1): output quads outer (their weights stay in L1 across the
@@ -332,7 +334,8 @@ void Tile(const Problem& p, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
     if constexpr (std::is_same_v<S, float>) {
       s = static_cast<const float*>(p.s) + o * p.groups;
       if (p.m != nullptr) m = static_cast<const float*>(p.m) + o * p.groups;
-    } else {  // float16: the quad's scales and offsets widened once, vectorised (per group they would cost more than the bytes saved)
+    } else {  // float16: the quad's scales and offsets widened once, vectorised (one at a time, per
+              // group inside the micro-kernel, they cost more than the bytes they save)
       Ops::Halfs(static_cast<const uint16_t*>(p.s) + o * p.groups, wide.data(), no * p.groups);
       s = wide.data();
       if (p.m != nullptr) {

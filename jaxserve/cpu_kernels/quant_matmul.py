@@ -79,9 +79,9 @@ def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax
                      threads: int | None = None) -> jax.Array:
     """x f32 [..., in] @ W.T -> f32 [..., out], W [out, in] given as q (int8 [out, in], or uint8
     [out, in/2] of packed 4-bit values), scales [out, in/32] and optional offsets [out, in/32],
-    both float32 or both float16: w = q * scale (+ offset). Stacked weights ([layers, out, ...] for all three)
-    with `layer` (an int32 scalar, traced in the model's layer scan) use that layer's, read in
-    place. isa: force a path (tests); threads: cap on the threads used (0: XLA's intra-op pool;
+    both float32 or both float16: w = q * scale (+ offset). Stacked weights ([layers, out, ...]
+    for all three) with `layer` (an int32 scalar, traced in the model's layer scan) use that
+    layer's, read in place. isa: force a path (tests); threads: cap on the threads used (0: XLA's intra-op pool;
     None: $JAXSERVE_QUANT_THREADS, else 0)."""
     if threads is None:
         threads = int(os.environ.get("JAXSERVE_QUANT_THREADS", "0"))
@@ -91,7 +91,8 @@ def quant_matmul_cpu(x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax
         raise ValueError(f"the CPU quantized kernel takes f32 x and float32 or float16 scales (offsets of the "
                          f"scales' dtype); got {x.dtype}, {scales.dtype}, {None if offsets is None else offsets.dtype}")
     if (q.ndim == 3) != (layer is not None) or q.ndim not in (2, 3):
-        raise ValueError(f"quantized matmul: q {q.shape} takes a layer index exactly when it is stacked [layers, out, in]")
+        raise ValueError(f"quantized matmul: q {q.shape} takes a layer index exactly when it is stacked "
+                         "[layers, out, in]")
     out, n_in = q.shape[-2], q.shape[-1] * (2 if fmt == "q4a" else 1)
     groups = (*q.shape[:-1], n_in // GROUP)
     if x.shape[-1] != n_in or n_in % GROUP or scales.shape != groups or (
