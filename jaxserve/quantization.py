@@ -105,9 +105,9 @@ def linear_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray, m: np.ndarray 
 
 def on_one_tpu(q: Any) -> bool:
     """Whether array q lives on a single TPU device (not a mesh)."""
-    sharding = getattr(q, "sharding", None)
-    devices = sharding.device_set if sharding is not None else set(jax.devices()[:1])
-    return len(devices) == 1 and next(iter(devices)).platform == "tpu"
+    from jaxserve.cpu_kernels import on_one_device
+
+    return on_one_device(q, "tpu")
 
 
 def resolve_impl(impl: str, q: jax.Array) -> str:

@@ -60,11 +60,16 @@ _SYMBOLS = {
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 
 
-def on_one_cpu(array: jax.Array) -> bool:
-    """Whether `array` lives on a single CPU device (where our kernels may replace XLA's ops)."""
+def on_one_device(array: jax.Array, platform: str) -> bool:
+    """Whether `array` lives on a single device of `platform` ("cpu", "tpu", ...), not a mesh."""
     sharding = getattr(array, "sharding", None)
     devices = sharding.device_set if sharding is not None else set(jax.devices()[:1])
-    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+    return len(devices) == 1 and next(iter(devices)).platform == platform
+
+
+def on_one_cpu(array: jax.Array) -> bool:
+    """Whether `array` lives on a single CPU device (where our kernels may replace XLA's ops)."""
+    return on_one_device(array, "cpu")
 
 
 def _cpu_fingerprint() -> str:

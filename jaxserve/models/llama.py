@@ -253,7 +253,8 @@ class LlamaForCausalLM(nnx.Module):
         jaxserve/quantization.py."""
         model = nnx.eval_shape(lambda: cls(cfg, dtype))
         quant.check_method(quantization)
-        impl = quant.resolve_impl(quant_impl, params["wq"]) if quantization != "none" else None
+        # (wq missing: the check below names it)
+        impl = quant.resolve_impl(quant_impl, params["wq"]) if quantization != "none" and "wq" in params else None
         if impl == "pallas_tpu":  # the TPU kernel reads float32 scales (GGUF's float16 ones widened, exact)
             params = {k: v.astype(jnp.float32) if k.endswith(("_scale", "_offset")) and v.dtype == jnp.float16
                       else v for k, v in params.items()}
