@@ -334,6 +334,12 @@ def test_engine_serves_a_gguf_in_its_quantization(tiny_gguf, caplog):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
     assert ours == [o.outputs[0].token_ids for o in flt.generate(PROMPTS[:4], params, use_tqdm=False)]
+    # Sampled as clients send by default (temperature 1.0), seeded, n=2: the same weights give
+    # the float model's draws (logits differ by ~1e-5, summation order).
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=2, ignore_eos=True)
+    draws = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:4], sampled, use_tqdm=False)]
+    assert draws == [[c.token_ids for c in o.outputs] for o in flt.generate(PROMPTS[:4], sampled, use_tqdm=False)]
+    assert any(d[0] != d[1] for d in draws)  # the two samples of a prompt are not greedy copies
     assert llm.engine.weight_bytes < 0.3 * flt.engine.weight_bytes
 
 
