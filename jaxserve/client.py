@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Iterator
 
@@ -23,14 +24,19 @@ class Client:
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
 
     def stream(self, prompt: str | list[int], timeout: float | None = None, request_id: str = "",
-               **sampling) -> Iterator[pb.GenerateResponse]:
-        """Yield GenerateResponse messages; sampling takes the SamplingParams names."""
+               extra: dict | None = None, **sampling) -> Iterator[pb.GenerateResponse]:
+        """Yield GenerateResponse messages; sampling takes the SamplingParams names. `extra`: the
+        fields the proto has no place for (logit_bias, structured_outputs, ...), sent as the
+        `jaxserve-sampling` metadata entry (see jaxserve/server/grpc_server.py)."""
         req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), request_id=request_id)
         if isinstance(prompt, str):
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
-        return self._generate(req, timeout=timeout, metadata=self.metadata)
+        metadata = list(self.metadata or [])
+        if extra:
+            metadata.append(("jaxserve-sampling", json.dumps(extra)))
+        return self._generate(req, timeout=timeout, metadata=metadata or None)
 
     def generate(self, prompt: str | list[int], **kw) -> tuple[str, pb.GenerateResponse]:
         """Whole text and the last message (finish_reason, usage)."""

@@ -122,6 +122,7 @@ SLOW_FIXTURES = {
     "engines",           # test_prefix_cache.py: two default-model engines
     "default_results",   # test_parallel.py: the default model over several meshes in a worker
     "qwen3_results",
+    "family_server",     # test_tool_templates.py: a server per model family
 }
 SLOW_TESTS = {  # each starts its own server or worker processes
     "test_api_key_and_tls", "test_biases_and_sliding_window_on_a_mesh", "test_server_refuses_a_mesh",

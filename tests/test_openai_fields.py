@@ -374,6 +374,10 @@ def test_grpc_and_http_take_the_sampling_fields_from_one_model():
         "logit_bias", "skip_special_tokens", "num_speculative_tokens"}  # (the proto is fixed)
     params = sampling_from_proto(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_k=5, stop=["a"])))
     assert params.top_k == 5 and params.stop == ["a"]
+    # what the proto lacks comes in the jaxserve-sampling metadata entry, under the HTTP names
+    params = sampling_from_proto(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_k=5)),
+                                 {"logit_bias": {"7": -100}, "structured_outputs": {"choice": ["a", "b"]}})
+    assert params.top_k == 5 and params.logit_bias == {7: -100} and params.structured_outputs.choice == ["a", "b"]
 
 
 def _priority_app(policy: str, seen: list):

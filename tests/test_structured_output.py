@@ -392,3 +392,119 @@ def test_overlapped_engine_steps_constrained_rows_every_call(engines, monkeypatc
         assert final[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
         assert len(final[rid].outputs[0].token_ids) == 30, rid
     assert not check_output(engine, so, final["c"])  # a valid prefix, cut by max_tokens
+
+
+# A suite of schemas of the kinds agents send (nested objects, arrays, enums, required and optional
+# fields, string formats and patterns, bounded numbers, anyOf/oneOf/allOf, $ref), each answered
+# greedy and sampled, streamed and not, through the openai client: every answer must validate.
+# Strings (formats too), arrays and the digits of fractional numbers (multipleOf) are bounded and whitespace is
+# compact (llguidance's x-guidance option): the model is random, and only the grammar ends its output.
+SCHEMA_SUITE = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "json_schema_suite.json").read_text())
+
+
+@pytest.mark.slow
+def test_http_schema_suite_always_validates(client, so_srv):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server_robust import assert_idle_and_consistent
+
+    assert len(SCHEMA_SUITE) >= 30
+    msgs = [{"role": "user", "content": "Answer in JSON."}]
+
+    def answer(job):
+        name, temperature, stream = job
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "strict": True, "schema": {
+            **SCHEMA_SUITE[name], "x-guidance": {"whitespace_flexible": False}}}}
+        kw = dict(model="tiny", messages=msgs, max_tokens=90, temperature=temperature, seed=len(name),
+                  response_format=fmt)
+        if not stream:
+            choice = client.chat.completions.create(**kw).choices[0]
+            return name, choice.message.content, choice.finish_reason
+        text, reason = "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+        return name, text, reason
+
+    jobs = [(name, t, s) for name in SCHEMA_SUITE for t in (0.0, 1.0) for s in (False, True)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(answer, jobs))
+    for (name, temperature, stream), (_, text, reason) in zip(jobs, results):
+        assert reason == "stop", (name, temperature, stream, text)
+        jsonschema.validate(json.loads(text), SCHEMA_SUITE[name])
+    by_job = dict(zip(jobs, results))
+    for name in SCHEMA_SUITE:  # streamed == not streamed, greedy and seeded
+        for t in (0.0, 1.0):
+            assert by_job[(name, t, True)][1] == by_job[(name, t, False)][1], name
+    assert_idle_and_consistent(so_srv, timeout=30)
+
+
+@pytest.mark.slow
+def test_grpc_takes_structured_outputs_and_logit_bias_in_metadata(so_srv):
+    """The proto is fixed: gRPC clients send these as the `jaxserve-sampling` metadata entry, with
+    the HTTP routes' names; the same request over HTTP gives the same tokens."""
+    import grpc
+
+    from jaxserve.client import Client
+    from server_utils import post
+    from test_server_robust import assert_idle_and_consistent
+
+    client = Client(so_srv["grpc"])
+    schema = {**PERSON}
+    for seed in range(2):
+        text, last = client.generate("Describe a person:", max_tokens=80, temperature=1.0, seed=seed,
+                                     extra={"structured_outputs": {"json": schema}})
+        assert last.finish_reason == "stop"
+        jsonschema.validate(json.loads(text), PERSON)
+        status, body = post(so_srv, "/v1/completions", {"prompt": "Describe a person:", "max_tokens": 80,
+                                                        "temperature": 1.0, "seed": seed,
+                                                        "structured_outputs": {"json": schema}})
+        assert status == 200 and body["choices"][0]["text"] == text
+    text, _ = client.generate("Pick:", max_tokens=20, temperature=1.0, seed=3, extra={"guided_choice": CHOICES})
+    assert text in CHOICES
+    text, _ = client.generate("Code:", max_tokens=20, temperature=1.0, seed=4,
+                              extra={"response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "p", "schema": PERSON}}})
+    jsonschema.validate(json.loads(text), PERSON)
+    forced = [m.token_ids for m in client.stream("Hi", max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                  extra={"logit_bias": {"42": 100}})]
+    assert [t for ids in forced for t in ids] == [42, 42, 42]
+    for extra, field in [({"structured_outputs": {"regex": "a("}}, "jaxserve-sampling"),
+                         ({"bogus": 1}, "jaxserve-sampling: bogus is not a known field"),
+                         ({"temperature": 0.5}, "jaxserve-sampling.temperature"),
+                         ({"logit_bias": {"x": 1}}, "jaxserve-sampling: logit_bias"),
+                         ({"guided_regex": "a", "guided_choice": ["a"]}, "jaxserve-sampling: give one"),
+                         ({"structured_outputs": {"choice": []}}, "jaxserve-sampling: structured_outputs")]:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream("hello", max_tokens=4, extra=extra))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), \
+            (extra, err.value.details())
+    bad = client._generate(__import__("jaxserve.proto.jaxserve_pb2", fromlist=["x"]).GenerateRequest(text="hi"),
+                           metadata=[("jaxserve-sampling", "[1]")])
+    with pytest.raises(grpc.RpcError) as err:
+        list(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "jaxserve-sampling must be a JSON object" \
+        in err.value.details()
+    client.close()
+    assert_idle_and_consistent(so_srv, timeout=30)
+
+
+@pytest.mark.slow
+def test_offline_generate_gives_the_servers_tokens(engines, so_srv):
+    """The same constrained, seeded requests offline (LLM.generate) and through the HTTP server."""
+    from jaxserve import LLM
+    from server_utils import post
+
+    llm = LLM.__new__(LLM)
+    llm.engine = engines["sync"]
+    cases = [({"json": PERSON}, "Describe a person:"), ({"choice": CHOICES}, "Pick one:"),
+             ({"regex": REGEXES[1]}, "Email:"), ({"grammar": 'start: "x=" NUM ";"\nNUM: /[0-9]{1,3}/'}, "Set:")]
+    for seed, (so, prompt) in enumerate(cases):
+        out = llm.generate([prompt], SamplingParams(max_tokens=80, temperature=1.0, seed=seed, structured_outputs=so),
+                           use_tqdm=False)[0].outputs[0]
+        status, body = post(so_srv, "/v1/completions", {"prompt": prompt, "max_tokens": 80, "temperature": 1.0,
+                                                        "seed": seed, "structured_outputs": so,
+                                                        "return_token_ids": True})
+        assert status == 200 and out.finish_reason == body["choices"][0]["finish_reason"] == "stop"
+        assert body["choices"][0]["token_ids"] == list(out.token_ids), so

@@ -2,11 +2,18 @@
 
 The method is registered with a raw-bytes deserializer so that a request protobuf cannot parse
 (invalid UTF-8 in `text`, say) is answered INVALID_ARGUMENT by us, not INTERNAL by grpc.
+
+The proto is a fixed contract, so what it has no field for travels in the call's metadata: the
+key `jaxserve-sampling` holds a JSON object of the HTTP routes' names, read by the same code:
+the sampling fields the proto lacks (`logit_bias`, `skip_special_tokens`,
+`num_speculative_tokens`) and structured output (`structured_outputs`, `response_format` or a
+`guided_*` field). A field set in both places, or one neither knows, is INVALID_ARGUMENT naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -23,10 +30,13 @@ from jaxserve.server.common import (EngineFailure, InvalidRequest, NotReady, Ove
                                     stream_outputs, tokenize)
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.openai_models import SamplingFields, invalid_request, sampling_params
+from jaxserve.server.structured_fields import FIELDS as STRUCTURED_FIELDS
+from jaxserve.server.structured_fields import structured_outputs_from_body
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("jaxserve.access")
 SERVICE = "jaxserve.v1.Generation"
+EXTRA_KEY = "jaxserve-sampling"  # metadata: a JSON object of the fields the proto has no place for
 
 
 class GrpcSampling(SamplingFields):
@@ -36,8 +46,25 @@ class GrpcSampling(SamplingFields):
     logprobs: StrictInt | None = None
 
 
-def sampling_from_proto(msg: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams of the request's set fields, read by the shared model's names."""
+def extra_fields(metadata: Any) -> dict[str, Any]:
+    """The `jaxserve-sampling` metadata entry as a dict ({} without one)."""
+    raw = [v for k, v in (metadata or ()) if k == EXTRA_KEY]
+    if not raw:
+        return {}
+    if len(raw) > 1:
+        raise InvalidRequest(f"{EXTRA_KEY} is given {len(raw)} times", EXTRA_KEY)
+    try:
+        value = json.loads(raw[0])
+    except ValueError as exc:
+        raise InvalidRequest(f"{EXTRA_KEY} must be a JSON object: {exc}", EXTRA_KEY) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{EXTRA_KEY} must be a JSON object, got {type(value).__name__}", EXTRA_KEY)
+    return value
+
+
+def sampling_from_proto(msg: pb.GenerateRequest, extra: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams of the request's set fields, read by the shared model's names, plus the
+    metadata's `extra` fields (extra_fields)."""
     s = msg.sampling
     values: dict[str, Any] = {}
     for name, field in s.DESCRIPTOR.fields_by_name.items():
@@ -46,11 +73,24 @@ def sampling_from_proto(msg: pb.GenerateRequest) -> SamplingParams:
                 values[name] = list(getattr(s, name))
         elif s.HasField(name):
             values[name] = getattr(s, name)
+    extra = dict(extra or {})
+    structured = {k: extra.pop(k) for k in list(extra) if k in STRUCTURED_FIELDS}
+    for name in extra:
+        if name in s.DESCRIPTOR.fields_by_name:
+            raise InvalidRequest(f"{EXTRA_KEY}.{name}: the proto has this field; set it there", f"{EXTRA_KEY}.{name}")
     try:
-        fields = GrpcSampling.model_validate(values)
-    except ValidationError as exc:
-        raise invalid_request(exc) from None
-    return sampling_params(fields, logprobs=fields.logprobs)
+        try:
+            fields = GrpcSampling.model_validate({**values, **extra})
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
+        params = sampling_params(fields, logprobs=fields.logprobs)
+        params.structured_outputs, _ = structured_outputs_from_body(structured)
+    except InvalidRequest as exc:
+        root = (exc.param or "").split(".")[0].split("[")[0]
+        if root in extra or root in structured:  # named where the client put it
+            raise InvalidRequest(f"{EXTRA_KEY}: {exc}", f"{EXTRA_KEY}.{exc.param}") from None
+        raise
+    return params
 
 
 class GenerationService:
@@ -102,11 +142,16 @@ class GenerationService:
             prompt = req.text if kind == "text" else list(req.token_ids.ids)
             if not prompt:
                 raise InvalidRequest(f"prompt ({kind}) must not be empty", "prompt")
-            params = sampling_from_proto(req)
+            params = sampling_from_proto(req, extra_fields(context.invocation_metadata()))
             engine = self.get_engine()
             if engine is None or not engine.accepting:
                 raise NotReady("the server is not ready (loading, compiling or shutting down)")
             check_for_model(params, engine)
+            if params.structured_outputs is not None:  # compiled off the loop, cached for the engine
+                try:
+                    await asyncio.to_thread(engine.engine.grammars.compile, params.structured_outputs)
+                except ValueError as exc:
+                    raise InvalidRequest(f"{EXTRA_KEY}: {exc}", EXTRA_KEY) from None
             text = None
             if kind == "text":  # tokenized in a worker thread: neither the loop nor the engine lock waits
                 text, prompt = prompt, await tokenize(engine, prompt, self.max_request_bytes)
