@@ -475,7 +475,8 @@ def test_drafts_that_would_mostly_pad_the_next_bucket_are_trimmed():
 
 @pytest.mark.parametrize("bad, message", [
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "not supported yet"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "not supported yet"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "'model'"),
     ('{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 2}', "min_token_prob"),
     ('{"method": "nope", "num_speculative_tokens": 3}', "unknown method"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),

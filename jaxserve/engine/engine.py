@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention import resolve_backend
@@ -23,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.draft_model import DraftModelProposer
+from jaxserve.engine.eagle3 import Eagle3Proposer
 from jaxserve.engine.request import Request
 from jaxserve.engine.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler
@@ -130,7 +132,8 @@ class Replica:
     prefix_cache: Any
     scheduler: Scheduler
     runner: ModelRunner
-    drafter: DraftModelProposer | None = None  # speculative method "draft_model": its own model and pool
+    # Speculative methods "draft_model" (its own model and pool) and "eagle3" (a head fed by the runner).
+    drafter: DraftModelProposer | Eagle3Proposer | None = None
     num_requests: int = 0  # routed here since start-up
 
     @property
@@ -212,6 +215,8 @@ class LLMEngine:
                      self.speculative.num_speculative_tokens)
             if self.speculative.method == "draft_model":
                 draft = self._load_draft_model(cfg, tp, config.dtype)
+        head = self._load_eagle3_head(cfg) if self.speculative is not None and self.speculative.method == "eagle3" \
+            else None
 
         def place(model_cfg: Any, served: Any, weights: Any, mesh: Any, quantization: str = "none") -> LlamaForCausalLM:
             arrays = parallel.shard_params(weights, mesh, dtype)  # each device gets only its slices
@@ -235,8 +240,12 @@ class LLMEngine:
                 prefix_cache = RadixCache(pool, make_event_recorder(index) if make_event_recorder else None)
             runner = ModelRunner(model, num_pages, page_size, self.buckets, self.max_model_len,
                                  config.attention_backend, mesh=mesh, num_penalty_slots=config.max_num_seqs,
-                                 kv_dtype=self.kv_dtype, kv_scales=kv_scales)
+                                 kv_dtype=self.kv_dtype, kv_scales=kv_scales,
+                                 aux_layers=head[0].aux_layers(cfg.num_layers) if head is not None else ())
             drafter = None
+            if head is not None:
+                drafter = Eagle3Proposer(self._place_eagle3_head(head, model, dtype), pool, self.buckets,
+                                         runner.max_seqs, dtype, config.attention_backend, mesh=mesh)
             if draft is not None:
                 # The draft model on the replica's devices, with a pool of as many pages as the target's.
                 draft_runner = ModelRunner(place(*draft, mesh), num_pages, page_size, self.buckets, self.max_model_len,
@@ -251,6 +260,8 @@ class LLMEngine:
                 speculative=self.speculative, proposer=drafter,
                 fit_drafts_to_bucket=mesh.devices.flat[0].platform == "cpu",
             )
+            if isinstance(drafter, Eagle3Proposer):
+                drafter.reserve = scheduler.reserve
             self.replicas.append(Replica(index, pool, prefix_cache, scheduler, runner, drafter))
         del params, draft
         # The replicas' KV-event recorders (empty when events are off: the per-step flush is then free).
@@ -271,12 +282,14 @@ class LLMEngine:
             from jaxserve import distributed
 
             if any(r.drafter is not None for r in self.replicas):  # followers replay the target's steps only
-                raise ValueError("speculative method 'draft_model' does not run on several hosts yet")
+                raise ValueError(f"speculative method {self.speculative.method!r} does not run on several hosts yet")
             distributed.check_same_setup([r.runner for r in self.replicas], (config.mesh, config.dtype))
         if config.compile_ahead:
             for replica in self.replicas:
                 replica.runner.warmup(show_progress)
-                if replica.drafter is not None:
+                if isinstance(replica.drafter, Eagle3Proposer):
+                    replica.drafter.warmup(self.buckets.all(), show_progress)
+                elif replica.drafter is not None:
                     replica.drafter.runner.warmup(show_progress)
             if self.multihost:
                 distributed.warm_up([r.runner for r in self.replicas])
@@ -344,6 +357,42 @@ class LLMEngine:
         served, params = parallel.apply_head_layout(cfg, params, parallel.head_layout(cfg, tp))
         log.info("draft model %s (%s, %d layers)", path, cfg.architecture, cfg.num_layers)
         return cfg, served, params
+
+    def _load_eagle3_head(self, target_cfg: Any) -> tuple[Any, dict, Any]:
+        """(config, weights, draft-to-target ids) of the EAGLE-3 head, checked against the target."""
+        from jaxserve.models.eagle3 import load_eagle3
+
+        path = self.speculative.model
+        cfg, params, d2t = load_eagle3(path)
+        if cfg.vocab_size != target_cfg.vocab_size or cfg.target_hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"speculative_config: the EAGLE-3 head {path} is for a target with a vocabulary of "
+                             f"{cfg.vocab_size} and hidden size {cfg.target_hidden_size}; this model has "
+                             f"{target_cfg.vocab_size} and {target_cfg.hidden_size}")
+        if "embed" not in params and cfg.hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"speculative_config: the EAGLE-3 head {path} has no embedding of its own and a hidden "
+                             f"size ({cfg.hidden_size}) other than the target's")
+        log.info("EAGLE-3 head %s: draft vocabulary %d, reads target layers %s", path, cfg.draft_vocab_size,
+                 cfg.aux_layers(target_cfg.num_layers))
+        return cfg, params, d2t
+
+    @staticmethod
+    def _place_eagle3_head(head: tuple[Any, dict, Any], target: LlamaForCausalLM, dtype: Any) -> Any:
+        """The head; without an embedding of its own it reads the target's (the proposer places
+        the head, replicated, on the replica's devices)."""
+        from jaxserve.models.eagle3 import Eagle3Head
+
+        cfg, params, d2t = head
+        if "embed" not in params:
+            params = dict(params)
+            if "embed_scale" in target.param_names:  # a quantized embedding: its rows, dequantized once
+                from jaxserve.quantization import embed_rows
+
+                offset = target.embed_offset[...] if "embed_offset" in target.param_names else None
+                params["embed"] = embed_rows(target.embed[...], target.embed_scale[...], offset,
+                                             jnp.arange(cfg.vocab_size), dtype)
+            else:
+                params["embed"] = target.embed[...]
+        return Eagle3Head(cfg, params, d2t, dtype)
 
     @staticmethod
     def _kv_event_recorders(config: EngineConfig) -> Any:
@@ -521,6 +570,8 @@ class LLMEngine:
         for x, (token_ids, logprobs) in results:
             prompt_lps = self._fetch_prompt_logprobs(x) if x.plan.wants_prompt_logprobs else None
             outputs += self._collect(x.replica, x.plan, token_ids, logprobs, prompt_lps, now)
+            if isinstance(x.replica.drafter, Eagle3Proposer):  # the head reads the step's features now
+                x.replica.drafter.observe(x.plan, x.replica.runner.last_aux)
         return outputs
 
     @staticmethod

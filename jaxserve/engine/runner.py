@@ -146,10 +146,14 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, buckets: Buckets,
                  history_len: int, attention_backend: str = "auto", mesh: Any = None,
-                 num_penalty_slots: int | None = None, kv_dtype: Any = None, kv_scales: KVScales | None = None):
+                 num_penalty_slots: int | None = None, kv_dtype: Any = None, kv_scales: KVScales | None = None,
+                 aux_layers: tuple[int, ...] = ()):
         """kv_dtype: the pool's dtype (None: the model's); an 8-bit one needs `kv_scales`
-        (jaxserve.kv_quant)."""
+        (jaxserve.kv_quant). aux_layers: each step also keeps the residual stream entering these
+        layers for every flat row (`last_aux`, [T, len * E] on the device: an EAGLE-3 head's input)."""
         self.model = model
+        self.aux_layers = tuple(aux_layers)
+        self.last_aux: Any = None
         self.buckets = buckets
         self.history_len = history_len
         self.mesh = mesh
@@ -187,14 +191,19 @@ class ModelRunner:
             # Decodes planned while the previous step ran take their input from its sampled ids.
             tokens = jnp.where(token_src >= 0, prev_ids[jnp.maximum(token_src, 0)], tokens)
             m = nnx.merge(self.graphdef, state)
-            hidden, kv_cache = m(tokens, md, kv_cache, attention_fn, kv_write_fn, page_size=page_size)
+            if self.aux_layers:
+                hidden, kv_cache, aux = m(tokens, md, kv_cache, attention_fn, kv_write_fn, page_size=page_size,
+                                          aux_layers=self.aux_layers)
+            else:
+                hidden, kv_cache = m(tokens, md, kv_cache, attention_fn, kv_write_fn, page_size=page_size)
             logits = m.compute_logits(hidden[logits_indices]).astype(jnp.float32)
-            return kv_cache, logits, prompt_logprobs(m, hidden, prompt_targets)
+            out = (kv_cache, logits, prompt_logprobs(m, hidden, prompt_targets))
+            return out + (aux,) if self.aux_layers else out
 
         # The pool keeps its sharding; logits and sampled ids come back replicated, so every
         # process of a multi-host mesh can read them from its own devices.
         rep = self._input_sharding
-        out_shardings = None if mesh is None else (self._kv_sharding, rep, rep)
+        out_shardings = None if mesh is None else (self._kv_sharding, rep, rep) + ((rep,) if self.aux_layers else ())
         self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings, static_argnames=("bucket",))
         # The sampler is a jit of its own, per sequence bucket S: it takes seconds to compile
         # (several sampling paths), and inside the step every (T, S, P) bucket would pay that.
@@ -327,7 +336,8 @@ class ModelRunner:
         samp_buf = pack_sampling(samp)
         bias = pack_logit_bias(samp)
         bias = self._no_logit_bias(bucket[1]) if bias is None else bias
-        self.kv_cache, logits, self._last_prompt_logprobs = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
+        self.kv_cache, logits, self._last_prompt_logprobs, *aux = step_fn(self.state, self.kv_cache, step_buf, prev_ids)
+        self.last_aux = aux[0] if aux else None
         deferred = DeferredSample(bucket, logits, samp_buf, history, bias, prev_ids, bool(np.any(samp.want_logprobs)))
         return deferred if defer_sample else self.sample(deferred, token_bitmask)
 

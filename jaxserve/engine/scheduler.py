@@ -254,6 +254,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Pages for num_tokens tokens of a running request ahead of its step (an EAGLE-3 head
+        drafts into the pages the request computes next), as the step would allocate them."""
+        return self._grow(req, num_tokens)
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make room for num_tokens tokens of req, evicting cache leaves if needed."""
         have = self.pool.num_pages_held(req.request_id) * self.pool.page_size

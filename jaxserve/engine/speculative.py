@@ -25,9 +25,10 @@ from typing import Any, Protocol
 
 from jaxserve.engine.request import Request
 
-METHODS = ("ngram", "suffix", "draft_model")
-# vLLM's methods that need trained heads: named so that the error says so.
-_NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+# vLLM's methods not built here (EAGLE-1/2 heads, MTP layers, ...): named so that the error says so.
+_NOT_BUILT = ("eagle", "mtp", "medusa", "mlp_speculator")
+_NEEDS_MODEL = ("draft_model", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class SpeculativeConfig:
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}, or {"method": "suffix", ...} with vLLM's
     suffix_decoding_* fields. `disable_by_batch_size`: no drafts while more sequences than this
     run (vLLM's name). {"method": "draft_model", "model": PATH, ...}: drafts from a smaller
-    checkpoint with the target's vocabulary (jaxserve/engine/draft_model.py).
+    checkpoint with the target's vocabulary (jaxserve/engine/draft_model.py). {"method": "eagle3",
+    "model": PATH, ...}: drafts from an EAGLE-3 head trained for the target (jaxserve/engine/eagle3.py).
     Each request drafts only as far as its own record says a draft is likely
     accepted: position j while p**j >= `min_acceptance`, p its estimated chance that a draft is
     accepted once the ones before it were; with none worth proposing it pauses `backoff_steps`
@@ -44,7 +46,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model's checkpoint (method "draft_model")
+    model: str | None = None  # the draft model's checkpoint (method "draft_model") or the head's ("eagle3")
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
@@ -106,9 +108,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be > 0")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ValueError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1]")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("speculative_config: 'model' (the draft checkpoint) is required by method "
-                             "'draft_model', and taken by no other method")
+        if (self.method in _NEEDS_MODEL) != (self.model is not None):
+            raise ValueError("speculative_config: 'model' (the draft checkpoint, or the EAGLE-3 head) is required by "
+                             "methods 'draft_model' and 'eagle3', and taken by no other method")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"speculative_config: model must be a checkpoint path, got {self.model!r}")
         if self.backoff_steps < 0:

@@ -312,11 +312,13 @@ class LlamaForCausalLM(nnx.Module):
         attention_fn: Callable[..., jax.Array],
         kv_write_fn: Callable[..., jax.Array] = write_kv,
         page_size: int | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, ...]:
         """tokens [T]; kv_cache [L, num_pages, page_size, 2*KVH, D]. Returns hidden [T, E], new cache.
         (Sharded serving passes per-shard versions of attention_fn and kv_write_fn.) A pool in
         another layout ([L, num_pages, ...]) passes through to those functions as it is, with
-        `page_size` given."""
+        `page_size` given. With `aux_layers` (static), also the residual stream entering each of
+        those layers, concatenated: [T, len(aux_layers) * E] (what an EAGLE-3 head reads)."""
         cfg = self.cfg
         L, num_pages = kv_cache.shape[:2]
         page_size = kv_cache.shape[2] if page_size is None else page_size
@@ -363,9 +365,13 @@ class LlamaForCausalLM(nnx.Module):
                 )
             return run
 
+        aux_ids = jnp.asarray(aux_layers, jnp.int32)
+
         def layer(carry, xs):
-            x, pool = carry
+            x, pool, aux = carry
             p, l = xs
+            if aux_layers:  # keep the stream entering the chosen layers (a select: no dynamic index)
+                aux = jnp.where((aux_ids == l)[:, None, None], x[None], aux)
 
             def mm(h: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
                 if name in stacked:
@@ -406,7 +412,7 @@ class LlamaForCausalLM(nnx.Module):
             if cfg.sandwich_norms:
                 m = rms_norm(m, p["post_mlp_norm"], eps, offset)
             x = x + m
-            return (x, pool), None
+            return (x, pool, aux), None
 
         if "embed_scale" in self._param_names():  # a quantized embedding: its rows, dequantized
             from jaxserve.quantization import embed_rows
@@ -417,8 +423,12 @@ class LlamaForCausalLM(nnx.Module):
             x = self.embed[...][tokens].astype(self.dtype)
         if cfg.embed_scale:  # HF casts the normaliser to the model dtype first (sqrt(3072) -> 55.5 in bf16)
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
-        (x, pool), _ = jax.lax.scan(layer, (x, pool), (layer_params, jnp.arange(L, dtype=jnp.int32)))
-        return rms_norm(x, self.final_norm[...], eps, offset), pool.reshape(kv_cache.shape)
+        aux = jnp.zeros((len(aux_layers), T, cfg.hidden_size), x.dtype)
+        (x, pool, aux), _ = jax.lax.scan(layer, (x, pool, aux), (layer_params, jnp.arange(L, dtype=jnp.int32)))
+        hidden = rms_norm(x, self.final_norm[...], eps, offset)
+        if aux_layers:
+            return hidden, pool.reshape(kv_cache.shape), jnp.concatenate(list(aux), axis=-1)
+        return hidden, pool.reshape(kv_cache.shape)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> float32 logits [N, V]."""
