@@ -135,7 +135,7 @@ def test_head_forward_matches_a_torch_reference(models):
                            slot_mapping=jnp.asarray(pages[np.arange(T) // page] * page + np.arange(T) % page),
                            kv_lens=jnp.asarray([T], jnp.int32), page_tables=jnp.asarray(pages[None]),
                            cu_q_lens=jnp.asarray([0, T], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32))
-    kv = jnp.zeros((1, 1 + T // page, page, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    kv = jnp.zeros((1 + T // page, page, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     prenorm, _ = head(jnp.asarray(tokens, jnp.int32), jnp.asarray(hidden), md, kv, get_attention_fn("xla"))
     draft = head.draft_ids(prenorm)
     ref_draft, ref_prenorm = torch_head_reference(models["head"], embed, tokens, hidden)

@@ -50,7 +50,7 @@ class Eagle3Proposer:
         acfg = head.cfg.attention_config()
         page_size = pool.page_size
         layout = pool_layout(attention_backend, acfg.head_dim, acfg.num_kv_heads, 1)
-        shape = pool_shape(layout, 1, pool.num_pages, page_size, acfg.num_kv_heads, acfg.head_dim)
+        shape = pool_shape(layout, 1, pool.num_pages, page_size, acfg.num_kv_heads, acfg.head_dim)[1:]
         attention_fn, kv_write_fn = with_pool_layout(get_attention_fn(attention_backend), write_kv, layout, page_size)
         self._rep = None
         if mesh is not None:  # (the head is small: replicated over the replica's devices)
@@ -67,7 +67,7 @@ class Eagle3Proposer:
             tokens, md, out_rows, _, src = unpack_step(packed, *bucket)
             m = nnx.merge(self.graphdef, state)
             hidden = hidden(m, src)
-            prenorm, kv = m(tokens, hidden, md, kv, attention_fn, kv_write_fn, page_size=page_size)
+            prenorm, kv = m(tokens, hidden, md, kv, attention_fn, kv_write_fn)
             # Each sequence's output row, padded to max_seqs: the next draft step reads its states
             # by sequence index, whatever the bucket of the step that made them. Logits over the
             # draft vocabulary for those rows only.
