@@ -297,3 +297,20 @@ def test_eagle3_on_meshes_matches_1x1(models):
     assert out["1x1 eagle3"] == out["2x2"] == out["1x2"] == out["1x1"]
     assert out["1x1 eagle3 drafted"] > 20
     assert out["1x2 accepted"] == out["1x1 eagle3 accepted"] and out["1x2 drafted"] == out["1x1 eagle3 drafted"]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "llama_mqa_tied", "mistral_swa", "qwen2", "qwen3", "gemma3"])
+def test_eagle3_on_each_architecture_gives_plain_greedy_tokens(tiny_checkpoints, tmp_path, arch):
+    """A random head (reading target layers 0, 1, 1) on every tiny architecture: the target's
+    greedy tokens, with drafts proposed and verified."""
+    target = tiny_checkpoints[arch]
+    head = make_head(tmp_path, "head", vocab=256, draft_vocab=80, aux_ids=[0, 1, 1])
+    prompts = [[1, 17, 42, 99, 7], [1, 200, 3, 3, 3, 3, 250], [1, 5]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = LLM(**small_engine_options(model=str(target), async_scheduling=False)).generate(prompts, params,
+                                                                                           use_tqdm=False)
+    llm = LLM(**small_engine_options(model=str(target), speculative_config=spec(head)))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.spec_decode_stats.num_draft_tokens > 0
+    llm.engine.check_invariants()
