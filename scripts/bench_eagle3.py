@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_spec import CHATS  # noqa: E402
+from bench_spec import CHATS, timed  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 
@@ -82,19 +80,8 @@ def run(llm: LLM, conc: int, args) -> tuple[float, list[list[int]], dict]:
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": CHATS[i % len(CHATS)]}], tokenize=False,
                                        add_generation_prompt=True) for i in range(conc)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    rates, outs = [], None
-    before = llm.engine.spec_decode_stats
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
-    after = llm.engine.spec_decode_stats
-    drafts = after.num_drafts - before.num_drafts
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    stats = {"drafts": drafts, "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
-             "accepted_tokens": accepted, "mean_accepted_length": 1 + accepted / drafts if drafts else None}
-    return statistics.median(rates), [o.outputs[0].token_ids for o in outs], stats
+    return timed(llm, prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
+                 args.repeats)
 
 
 def main() -> int:

@@ -93,9 +93,15 @@ def prompts(tokenizer, workload: str, n: int) -> list[str]:
 def run(llm: LLM, workload: str, conc: int, args) -> tuple[float, list[list[int]], dict]:
     ps = prompts(llm.get_tokenizer(), workload, conc)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    return timed(llm, ps, params, args.repeats)
+
+
+def timed(llm: LLM, ps: list[str], params: SamplingParams, repeats: int) -> tuple[float, list[list[int]], dict]:
+    """(median output tok/s over `repeats` runs of the prompts, the last run's tokens, the
+    speculative-decoding counts of all runs, with the mean accepted length)."""
     rates, outs = [], None
     before = llm.engine.spec_decode_stats
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         t = time.perf_counter()
         outs = llm.generate(ps, params, use_tqdm=False)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))

@@ -34,7 +34,7 @@ from jaxserve.attention import NULL_PAGE, AttentionMetadata, get_attention_fn, p
 from jaxserve.cache.page_pool import PagePool
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.request import Request
-from jaxserve.engine.runner import pack_step, unpack_step
+from jaxserve.engine.runner import pack_step, packed_step_size, unpack_step
 from jaxserve.engine.scheduler import StepPlan, ragged_layout
 from jaxserve.models.eagle3 import Eagle3Head
 
@@ -181,7 +181,7 @@ class Eagle3Proposer:
         key = (kind, bucket)
         if key not in self._compiled:
             rep = self._rep
-            i32 = jax.ShapeDtypeStruct((5 * bucket[0] + bucket[1] * (bucket[2] + 3) + 2,), jnp.int32, sharding=rep)
+            i32 = jax.ShapeDtypeStruct((packed_step_size(*bucket),), jnp.int32, sharding=rep)
             kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype, sharding=self.kv_cache.sharding)
             if kind == "catch_up":
                 extra = jax.ShapeDtypeStruct((bucket[0], self.aux_width), self.aux_dtype, sharding=rep)
