@@ -314,3 +314,19 @@ def test_eagle3_on_each_architecture_gives_plain_greedy_tokens(tiny_checkpoints,
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
     llm.engine.check_invariants()
+
+
+def test_eagle3_on_an_int8_target_gives_its_greedy_tokens(models, tmp_path):
+    """A quantized target with tied embeddings (int8 linears, and the embedding quantized as the LM
+    head): the head reads the target's embedding dequantized once; the tokens are the quantized
+    target's own."""
+    target = make_full_vocab_tiny(tmp_path, num_hidden_layers=LAYERS)  # (tied: the embedding is quantized)
+    opts = dict(model=str(target), quantization="int8")
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = LLM(**small_engine_options(async_scheduling=False, **opts)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**small_engine_options(speculative_config=spec(models["head"]), **opts))
+    assert "embed_scale" in llm.engine.replicas[0].runner.model.param_names
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.spec_decode_stats.num_draft_tokens > 0
