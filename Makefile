@@ -53,7 +53,7 @@ $(SGLANG_ROUTER_STAMP):
 	$(SGLANG_ROUTER)/bin/pip install -q 'sglang-router==0.3.2'
 	touch $@
 
-.PHONY: install clients routers compilers serve generate test test-fast test-py312
+.PHONY: install clients routers compilers serve generate test test-extended test-fast test-py312
 install: $(STAMP)
 clients: $(LMEVAL_STAMP) $(GUIDELLM_STAMP)   # for tests/test_real_clients.py (slow)
 routers: $(VLLM_ROUTER_STAMP) $(SGLANG_ROUTER_STAMP)   # for tests/test_routers.py (slow)
@@ -65,11 +65,14 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/python -m jaxserve.generate "$(or $(PROMPT),The capital of France is)" $(ARGS)
 
-test: $(STAMP) clients routers compilers   # everything, as CI runs it (real clients' and routers' venvs, deviceless compilers)
-	$(BIN)/python -m pytest -q $(ARGS)
+test: $(STAMP) clients routers compilers   # everything but the extended tests, as CI runs it (real clients' and routers' venvs, deviceless compilers)
+	$(BIN)/python -m pytest -q -m 'not extended' $(ARGS)
+
+test-extended: $(STAMP) clients routers compilers   # the longest tests, which CI leaves out (tests/conftest.py EXTENDED_TESTS)
+	$(BIN)/python -m pytest -q -m extended $(ARGS)
 
 test-py312:   # CI's second leg: Python 3.12 + jax 0.11.2, as on the GPU machine (its own .venv312)
 	bash scripts/ci_py312.sh
 
 test-fast: $(STAMP)   # what a developer runs between edits: everything not marked slow
-	$(BIN)/python -m pytest -q -m 'not slow' $(ARGS)
+	$(BIN)/python -m pytest -q -m 'not slow and not extended' $(ARGS)

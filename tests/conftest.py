@@ -132,16 +132,70 @@ SLOW_TESTS = {  # each starts its own server or worker processes
 }
 
 
+# The longest tests whose ground a cheaper test also covers (mesh parity of the speculative paths, a
+# second multi-host test, extra parametrizations): marked `extended`. CI's `make test` deselects them
+# (90 minutes on 2 cores no longer held the whole suite) and says how many it left out;
+# `make test-extended` runs them. Node ids as pytest prints them, xdist-loaded times at stop 35.
+EXTENDED_TESTS = {
+    "test_parallel.py::test_two_processes_share_one_mesh",  # the multi-host server test stays
+    "test_parallel.py::test_biases_and_sliding_window_on_a_mesh[qwen2]",
+    "test_quant_compile.py::test_a_plain_convert_fuses_into_the_dot",
+    "test_cli.py::test_pip_route_without_the_test_extra",
+    "test_real_clients.py::test_lm_eval_local_completions_matches_hf",
+    "test_eagle3.py::test_eagle3_on_meshes_matches_1x1",
+    "test_eagle3.py::test_a_head_that_predicts_the_target_is_always_accepted",
+    "test_eagle3.py::test_eagle3_gives_the_tokens_of_plain_decoding[options2]",
+    "test_eagle3.py::test_eagle3_on_each_architecture_gives_plain_greedy_tokens[qwen2]",
+    "test_eagle3.py::test_eagle3_on_each_architecture_gives_plain_greedy_tokens[qwen3]",
+    "test_eagle3.py::test_eagle3_on_each_architecture_gives_plain_greedy_tokens[mistral_swa]",
+    "test_eagle3.py::test_eagle3_on_each_architecture_gives_plain_greedy_tokens[llama_mqa_tied]",
+    "test_draft_model.py::test_draft_model_on_meshes_matches_1x1",
+    "test_draft_model.py::test_draft_model_gives_the_tokens_of_plain_decoding[self-options2]",
+    "test_draft_model.py::test_greedy_self_drafts_are_all_accepted",
+    "test_speculative.py::test_speculation_gives_the_tokens_of_plain_decoding[options2]",
+    "test_kv_quant.py::test_meshes_match_1x1",
+    "test_kv_layout.py::test_engine_with_lane_dense_pool_equals_pages",
+    "test_moe.py::test_expert_parallel_meshes_match_1x1[qwen3_moe]",  # qwen2_moe's stays
+    "test_gguf_families.py::test_gguf_greedy_matches_safetensors[qwen2_moe]",
+    "test_engine.py::test_batching_modes_give_identical_greedy_outputs[options3]",
+    "test_engine.py::test_batching_modes_give_identical_greedy_outputs[options4]",
+    "test_quantization.py::test_mesh_1x2_matches_1x1",
+    "test_speculative.py::test_speculation_on_meshes_matches_1x1",
+    "test_engine_overlap.py::test_overlap_equals_synchronous_engine[options2]",
+    "test_gguf_families.py::test_gguf_greedy_matches_safetensors[mixtral]",
+    "test_eagle3.py::test_eagle3_gives_the_tokens_of_plain_decoding[options1]",
+    "test_draft_model.py::test_draft_model_gives_the_tokens_of_plain_decoding[other-options1]",
+    "test_fleet_failures.py::test_restarted_replica_resyncs_its_kv_events",
+    "test_kv_events.py::test_data_parallel_replicas_publish_separately",
+    "test_prefix_cache.py::test_eviction_under_memory_pressure_keeps_outputs_identical",
+    "test_gemma3.py::test_gemma3_greedy_matches_hf_generate[auto-preemption]",
+}
+
 SLOW_TIMEOUT = 1800  # s: the first test of a module pays for its server / worker fixture (600 s elsewhere)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    unknown = set(EXTENDED_TESTS)
     for item in items:
+        short = item.nodeid.split("/")[-1]
+        if short in EXTENDED_TESTS:
+            item.add_marker(pytest.mark.extended)
+            unknown.discard(short)
         name = getattr(item, "originalname", item.name)
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or any(name.startswith(t) for t in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+    whole_suite = all(Path(a).resolve() == Path(config.rootpath, "tests").resolve() for a in config.args)
+    if unknown and whole_suite:  # a renamed test would otherwise slip back into CI unnoticed
+        raise pytest.UsageError(f"EXTENDED_TESTS names tests that do not exist: {sorted(unknown)}")
+
+
+_extended_left_out: list[str] = []
+
+
+def pytest_deselected(items) -> None:
+    _extended_left_out.extend(i.nodeid for i in items if i.get_closest_marker("extended"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -174,6 +228,9 @@ def _memory_mappings() -> int:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    if _extended_left_out:
+        terminalreporter.write_line(f"extended tests left out: {len(_extended_left_out)} "
+                                    "(make test-extended runs them; tests/conftest.py EXTENDED_TESTS)")
     if _map_counts:  # how close the run came to the limit above, for the next time a compile crashes
         terminalreporter.write_line(f"memory mappings at a module's end, before its release: peak {max(_map_counts)}")
 
