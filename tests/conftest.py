@@ -135,7 +135,7 @@ SLOW_TESTS = {  # each starts its own server or worker processes
 # The longest tests whose ground a cheaper test also covers (mesh parity of the speculative paths, a
 # second multi-host test, extra parametrizations): marked `extended`. CI's `make test` deselects them
 # (90 minutes on 2 cores no longer held the whole suite) and says how many it left out;
-# `make test-extended` runs them. Node ids as pytest prints them, xdist-loaded times at stop 35.
+# `make test-extended` runs them. Node ids as pytest prints them; chosen by their times in a full run.
 EXTENDED_TESTS = {
     "test_parallel.py::test_two_processes_share_one_mesh",  # the multi-host server test stays
     "test_parallel.py::test_biases_and_sliding_window_on_a_mesh[qwen2]",
