@@ -74,5 +74,5 @@ test-extended: $(STAMP) clients routers compilers   # the longest tests, which C
 test-py312:   # CI's second leg: Python 3.12 + jax 0.11.2, as on the GPU machine (its own .venv312)
 	bash scripts/ci_py312.sh
 
-test-fast: $(STAMP)   # what a developer runs between edits: everything not marked slow
+test-fast: $(STAMP)   # what a developer runs between edits: everything not marked slow or extended
 	$(BIN)/python -m pytest -q -m 'not slow and not extended' $(ARGS)
