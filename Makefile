@@ -53,9 +53,11 @@ $(SGLANG_ROUTER_STAMP):
 	$(SGLANG_ROUTER)/bin/pip install -q 'sglang-router==0.3.2'
 	touch $@
 
-.PHONY: install clients routers compilers serve generate test test-extended test-fast test-py312
+.PHONY: install clients lmeval guidellm routers compilers serve generate test test-extended test-fast test-py312
 install: $(STAMP)
-clients: $(LMEVAL_STAMP) $(GUIDELLM_STAMP)   # for tests/test_real_clients.py (slow)
+clients: lmeval guidellm   # for tests/test_real_clients.py (slow)
+lmeval: $(LMEVAL_STAMP)   # only the extended lm-eval test uses it
+guidellm: $(GUIDELLM_STAMP)
 routers: $(VLLM_ROUTER_STAMP) $(SGLANG_ROUTER_STAMP)   # for tests/test_routers.py (slow)
 compilers: $(COMPILERS_STAMP)
 
@@ -65,7 +67,7 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/python -m jaxserve.generate "$(or $(PROMPT),The capital of France is)" $(ARGS)
 
-test: $(STAMP) clients routers compilers   # everything but the extended tests, as CI runs it (real clients' and routers' venvs, deviceless compilers)
+test: $(STAMP) guidellm routers compilers   # everything but the extended tests, as CI runs it (guidellm's and the routers' venvs, deviceless compilers)
 	$(BIN)/python -m pytest -q -m 'not extended' $(ARGS)
 
 test-extended: $(STAMP) clients routers compilers   # the longest tests, which CI leaves out (tests/conftest.py EXTENDED_TESTS)

@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pathlib import Path
+import shutil
+import sys
+import tempfile
+
+# One persistent XLA compilation cache for the whole run, in a fresh directory: the many engines
+# the tests build (in process, in servers, in mesh workers) mostly compile the same programs (the
+# same tiny shapes and buckets), and read them back instead of compiling again on 2 cores. Set
+# through jax's own environment variables, before jax is imported, so that the processes the tests
+# start inherit it; a process given --compilation-cache-dir (test_cli's cache tests) uses its own.
+# Warm-up checks stay strict: jax reports a cache read as a backend compile, which the engine counts.
+_OWN_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_XLA_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+SHARED_XLA_CACHE = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+if "jax" in sys.modules:  # imported before this file (a plugin): too late for its environment variables
+    sys.modules["jax"].config.update("jax_compilation_cache_dir", str(SHARED_XLA_CACHE))
+    sys.modules["jax"].config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 import numpy as np
 import pytest
@@ -225,6 +243,11 @@ def _memory_mappings() -> int:
             return sum(1 for _ in f)
     except OSError:  # not Linux
         return 0
+
+
+def pytest_unconfigure(config) -> None:
+    if _OWN_XLA_CACHE:
+        shutil.rmtree(SHARED_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -46,14 +46,20 @@ def make_full_vocab_tiny(root: Path, name: str = "tiny-full-vocab", seed: int = 
     return path
 
 
+def xla_cache(fallback: Path) -> str:
+    """The --compilation-cache-dir for a server the tests start: the run's shared cache (conftest)."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR", str(fallback))
+
+
 def start_server(model: Path | None, cache: Path, *extra: str, http_port: int | None = None,
                  grpc_port: int | None = None, name: str = "tiny", base_args: Sequence[str] = SERVER_ARGS) -> dict:
     """A server on free ports (or the given ones: a restart in place); returns once /health is 200.
-    `model` None: the embedded default model."""
+    `model` None: the embedded default model. `cache`: a directory for its log (and its XLA cache
+    outside a test run)."""
     grpc_port, http_port = grpc_port or free_port(), http_port or free_port()
     cmd = [sys.executable, "-m", "jaxserve.serve", *(["--model", str(model)] if model is not None else []),
            "--served-model-name", name, "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-           "--compilation-cache-dir", str(cache), *base_args, *extra]
+           "--compilation-cache-dir", xla_cache(cache), *base_args, *extra]
     log = open(cache / f"server-{http_port}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{http_port}"

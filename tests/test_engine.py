@@ -81,6 +81,25 @@ def test_no_compilation_after_warmup():
     assert llm.engine.compiles_after_warmup == 0
 
 
+def test_a_persistent_cache_hit_counts_as_a_compile():
+    """The warm-up check must see a shape warm-up missed even when the persistent cache (here the
+    test run's own, conftest) holds it from an earlier engine: jit then reads it instead of
+    compiling, and jax reports that read as a backend compile too, which CompileCounter counts."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.engine.runner import CompileCounter
+
+    assert jax.config.jax_compilation_cache_dir, "conftest sets a persistent cache for the run"
+    CompileCounter.install()
+    x = jnp.arange(37, dtype=jnp.float32)  # a shape no other test compiles this function for
+    before = CompileCounter.count
+    jax.jit(lambda v: jnp.sin(v) * 7.5 + 1.0)(x).block_until_ready()  # compiled, or read if cached
+    jax.clear_caches()
+    jax.jit(lambda v: jnp.sin(v) * 7.5 + 1.0)(x).block_until_ready()  # read from the cache
+    assert CompileCounter.count - before == 2
+
+
 def test_stop_conditions(llm_default):
     tok = llm_default.get_tokenizer()
     prompt = "The capital of France is"

@@ -16,6 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from server_utils import xla_cache
+
 from jaxserve.client import Client
 from jaxserve.proto import jaxserve_pb2 as pb
 
@@ -54,7 +56,7 @@ def server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("xla")
     cmd = [sys.executable, "-m", "jaxserve.serve", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-pages", "64",
-           "--max-waiting", "64", "--compilation-cache-dir", str(cache), "--grace-period", "20"]
+           "--max-waiting", "64", "--compilation-cache-dir", xla_cache(cache), "--grace-period", "20"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{http_port}"
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
@@ -314,7 +316,7 @@ def test_api_key_and_tls(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--grpc-port", str(grpc_port), "--http-port",
                              str(http_port), "--api-key", "s3cret", "--tls-cert", str(cert), "--tls-key", str(key),
                              "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "128",
-                             "--num-pages", "32", "--compilation-cache-dir", str(tmp_path / "xla")],
+                             "--num-pages", "32", "--compilation-cache-dir", xla_cache(tmp_path / "xla")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{http_port}"
     try:
