@@ -54,14 +54,19 @@ def test_draft_model_gives_the_tokens_of_plain_decoding(models, reference, which
     target, other = models
     draft = target if which == "self" else other
     ref = reference if not options else LLM(**_options(target, async_scheduling=False, **options))
-    spec = LLM(**_options(target, speculative_config=_spec(draft), **options))
+    # 16 sampler rows for 9 sequences (unless the options say otherwise): drafts take only rows that
+    # neither a running nor a waiting request needs.
+    spec = LLM(**_options(target, speculative_config=_spec(draft), **{"max_num_seqs": 16, **options}))
     params = mixed_params()
     a = spec.generate(PROMPTS, params, use_tqdm=False)
     b = ref.generate(PROMPTS, params, use_tqdm=False)
     assert same_outputs_but_tail_flips(a, b, params) <= 1
     stats = spec.engine.spec_decode_stats
-    assert stats.num_drafts > 10, stats
-    if which == "self":
+    few_rows = options.get("max_num_seqs") == 4  # drafts only once the last sequences run alone
+    assert stats.num_drafts > (3 if few_rows else 10), stats
+    if few_rows:
+        pass  # which rows draft (the last to finish, greedy or sampled) decides the rate: no bound
+    elif which == "self":
         # The target drafting for itself: greedy rows accept every draft (see the test below);
         # sampled rows accept a draft only when the draw equals the target's argmax, rarely on a
         # random model at temperature 1 (and then their drafts pause).

@@ -214,13 +214,17 @@ def test_eagle3_gives_the_tokens_of_plain_decoding(models, reference, options):
     preempt, with the prefix cache."""
     ref = reference if not options else LLM(**small_engine_options(model=str(models["target"]),
                                                                     async_scheduling=False, **options))
-    llm = LLM(**small_engine_options(model=str(models["target"]), speculative_config=spec(models["head"]), **options))
+    # 16 sampler rows for 9 sequences (unless the options say otherwise): drafts take only rows that
+    # neither a running nor a waiting request needs.
+    llm = LLM(**small_engine_options(model=str(models["target"]), speculative_config=spec(models["head"]),
+                                     **{"max_num_seqs": 16, **options}))
     params = mixed_params()
     a = llm.generate(PROMPTS, params, use_tqdm=False)
     b = ref.generate(PROMPTS, params, use_tqdm=False)
     assert same_outputs_but_tail_flips(a, b, params) <= 1
     stats = llm.engine.spec_decode_stats
-    assert stats.num_drafts > 10 and stats.acceptance_rate < 0.5, stats  # random head: drafts mostly fail
+    few_rows = options.get("max_num_seqs") == 4  # drafts only once the last sequences run alone
+    assert stats.num_drafts > (3 if few_rows else 10) and stats.acceptance_rate < 0.5, stats  # random head: drafts mostly fail
     assert llm.engine.replicas[0].drafter.num_draft_steps > 0
     assert not llm.engine.has_unfinished()
     llm.engine.check_invariants()

@@ -89,7 +89,9 @@ def reference():
 ])
 def test_speculation_gives_the_tokens_of_plain_decoding(options, reference):
     ref = reference if not options else LLM(**small_engine_options(async_scheduling=False, **options))
-    spec = LLM(**small_engine_options(speculative_config=SPEC, **options))
+    # 16 sampler rows for 9 sequences (unless the options say otherwise): drafts take only rows
+    # that neither a running nor a waiting request needs.
+    spec = LLM(**small_engine_options(speculative_config=SPEC, **{"max_num_seqs": 16, **options}))
     assert not spec.engine.overlap
     params = mixed_params()
     a = spec.generate(PROMPTS, params, use_tqdm=False)
@@ -104,7 +106,8 @@ def test_speculation_gives_the_tokens_of_plain_decoding(options, reference):
         a, b, params = [a[i] for i in greedy], [b[i] for i in greedy], [params[i] for i in greedy]
     assert same_outputs_but_tail_flips(a, b, params) <= 1
     stats = spec.engine.spec_decode_stats
-    assert stats.num_accepted_tokens > 10 and stats.mean_accepted_length > 1.3, stats
+    few_rows = options.get("max_num_seqs") == 4  # drafts only once the last sequences run alone
+    assert stats.num_accepted_tokens > (3 if few_rows else 10) and stats.mean_accepted_length > 1.3, stats
     assert stopped.stop_reason == "green green green" and "green green" not in stopped.text
     assert len(last.token_ids) == 3
     if options.get("num_pages") == 14:
@@ -115,8 +118,9 @@ def test_speculation_gives_the_tokens_of_plain_decoding(options, reference):
 
 def test_prefix_cache_never_holds_rejected_drafts(reference):
     """A second round of the same prompts starts from pages the first (speculating) round cached:
-    a rejected draft's KV in a cached page would change its tokens."""
-    spec = LLM(**small_engine_options(speculative_config=SPEC))
+    a rejected draft's KV in a cached page would change its tokens. (16 sampler rows: drafts take
+    only those that 8 sequences leave.)"""
+    spec = LLM(**small_engine_options(speculative_config=SPEC, max_num_seqs=16))
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     first = spec.generate(PROMPTS, params, use_tqdm=False)
     continued = [p + o.outputs[0].text for p, o in zip(PROMPTS, first)]
@@ -305,7 +309,7 @@ def test_suffix_drafts_keep_outputs_and_learn_from_earlier_requests():
     A fresh reference: one whose prefix cache already holds these prompts computes their KV in
     other chunks, a few ulps apart, which can flip a sampled draw (seen once)."""
     reference = LLM(**small_engine_options(async_scheduling=False))
-    spec = LLM(**small_engine_options(speculative_config=SUFFIX))
+    spec = LLM(**small_engine_options(speculative_config=SUFFIX, max_num_seqs=16))  # rows to spare for drafts
     params = mixed_params()
     a = spec.generate(PROMPTS, params, use_tqdm=False)
     b = reference.generate(PROMPTS, params, use_tqdm=False)
@@ -488,6 +492,40 @@ def test_drafts_that_would_mostly_pad_the_next_bucket_are_trimmed():
     small = seqs(4)  # 5 tokens: below 16 rows a draft is worth its padding
     sched._fit_drafts(small)
     assert small[0].drafts == [0, 1, 2, 3]
+
+
+def test_drafts_leave_waiting_requests_their_rows():
+    """A waiting request's sampler row comes before any draft: with 3 of 4 rows running, one draft
+    fits while nobody waits, and none once a request arrives, which is admitted at once (drafts
+    that took its row kept it queued: issue 21's slowdown at 64 concurrent requests)."""
+    from jaxserve.cache.page_pool import PagePool
+    from jaxserve.engine.buckets import Buckets
+    from jaxserve.engine.scheduler import Scheduler
+
+    class Always:
+        def propose(self, req: Request, limit: int) -> list[int]:
+            return [7] * limit
+
+        def release(self, req: Request) -> None:
+            pass
+
+    config = SpeculativeConfig.parse({**json.loads(SPEC), "min_acceptance": 0.0})
+    sched = Scheduler(PagePool(64, 16), Buckets.create(128, 16, 8, min_tokens=1), max_num_seqs=4,
+                      max_num_batched_tokens=128, history_len=128, speculative=config, proposer=Always())
+
+    def step() -> list[tuple[str, int]]:
+        plan = sched.schedule()
+        sched.update(plan, np.zeros(len(plan.tokens), np.int32))
+        return [(s.request.request_id, len(s.drafts)) for s in plan.seqs]
+
+    for i in range(3):
+        sched.add(Request(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=16), 16, 0))
+    assert all(d == 0 for _, d in step())  # the prompts
+    assert sorted(d for _, d in step()) == [0, 0, 1]  # one spare row: one draft
+    sched.add(Request("late", [5, 6, 7, 8], SamplingParams(max_tokens=16), 16, 0))
+    scheduled = step()
+    assert sorted(r for r, _ in scheduled) == ["late", "r0", "r1", "r2"] and all(d == 0 for _, d in scheduled)
+    sched.check_invariants()
 
 
 @pytest.mark.parametrize("bad, message", [

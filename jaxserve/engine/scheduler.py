@@ -278,9 +278,11 @@ class Scheduler:
         preempted: list[Request] = []
         self.num_steps += 1
         # Draft tokens take sampler rows: a step samples at most max_num_seqs rows (one per
-        # sequence, plus one per draft), so drafts use only the room fewer sequences leave.
+        # sequence, plus one per draft), so drafts use only the room fewer sequences leave,
+        # after the waiting requests' rows.
         num_drafts = 0
         speculate = self._speculating()
+        spare_rows = self._spare_rows()
 
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -294,7 +296,7 @@ class Scheduler:
                 continue
             drafts: list[int] = []
             if speculate and n == 1:
-                drafts = self._propose(req, min(budget - 1, self.max_num_seqs - len(self.running) - num_drafts))
+                drafts = self._propose(req, min(budget - 1, spare_rows - num_drafts))
             sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
             if drafts and not self._grow(req, req.num_computed_tokens + n + len(drafts)):
                 drafts = []  # drafts never preempt anyone
@@ -365,6 +367,12 @@ class Scheduler:
         return self.proposer is not None and (self.speculative.disable_by_batch_size is None
                                               or len(self.running) <= self.speculative.disable_by_batch_size)
 
+    def _spare_rows(self) -> int:
+        """Sampler rows drafts may take: those neither a running nor a waiting request needs. A
+        waiting request comes first: drafts that fill its row would keep it queued behind
+        sequences that decode several tokens a step while it waits for all of them."""
+        return max(0, self.max_num_seqs - len(self.running) - len(self.waiting))
+
     def _drafts_worth(self, req: Request) -> int:
         """How many drafts a running request may get now: at most its own num_speculative_tokens;
         none while it prefills or has a token pending, while its drafts back off, for structured output (its masks follow the grammar
@@ -391,7 +399,7 @@ class Scheduler:
         """(request, most drafts) of the running requests that may get drafts next step, for a
         proposer that drafts them all at once before the step is scheduled (a draft model): in
         the order schedule() hands out the spare sampler rows, and no more drafts than those."""
-        spare = self.max_num_seqs - len(self.running) if self._speculating() else 0
+        spare = self._spare_rows() if self._speculating() else 0
         wanted = []
         for req in self.running:
             if spare <= 0:
